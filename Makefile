@@ -1,0 +1,24 @@
+# `make demo` and `make test` each build .venv from nothing. torch is pinned to the CPU build that installs from
+# this machine's disk; an unpinned torch would pull a multi-GB CUDA build.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+
+.PHONY: demo test clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e ".[demo,test]"
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/encoderstack demo
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) encoderstack-all-MiniLM-L6-v2

@@ -1,0 +1,49 @@
+"""EncoderStack: BERT's encoder stack with the normalization placement as a config choice, as a transformers plugin.
+
+Importing the package registers the config and every model class with the Auto classes (importing twice is harmless).
+"""
+
+import transformers
+
+from . import modeling_encoderstack
+from .configuration_encoderstack import EncoderStackConfig
+from .modeling_encoderstack import (
+    AUTO_MAP,
+    EncoderStackForMaskedLM,
+    EncoderStackForMultipleChoice,
+    EncoderStackForPreTraining,
+    EncoderStackForQuestionAnswering,
+    EncoderStackForSequenceClassification,
+    EncoderStackForTokenClassification,
+    EncoderStackModel,
+    EncoderStackPreTrainedModel,
+)
+
+__version__ = "0.1.0"
+
+
+def _register() -> None:
+    transformers.AutoConfig.register(EncoderStackConfig.model_type, EncoderStackConfig, exist_ok=True)
+    EncoderStackConfig.register_for_auto_class()
+    for auto_name, reference in AUTO_MAP.items():
+        if auto_name == "AutoConfig":
+            continue
+        model_class = getattr(modeling_encoderstack, reference.split(".")[-1])
+        getattr(transformers, auto_name).register(EncoderStackConfig, model_class, exist_ok=True)
+        model_class.register_for_auto_class(auto_name)
+
+
+_register()
+
+__all__ = [
+    "AUTO_MAP",
+    "EncoderStackConfig",
+    "EncoderStackPreTrainedModel",
+    "EncoderStackModel",
+    "EncoderStackForMaskedLM",
+    "EncoderStackForPreTraining",
+    "EncoderStackForSequenceClassification",
+    "EncoderStackForTokenClassification",
+    "EncoderStackForQuestionAnswering",
+    "EncoderStackForMultipleChoice",
+]

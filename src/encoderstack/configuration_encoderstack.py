@@ -1,0 +1,96 @@
+"""EncoderStack configuration: a BERT-shaped encoder whose normalization placement is a config choice.
+
+Self-contained on purpose (imports only `transformers`): `save_pretrained` copies this file next to the weights so
+that `trust_remote_code=True` works on machines without the package.
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
+
+NORM_PLACEMENTS = ("post", "pre", "sandwich", "deepnorm", "resi_dual")
+NORM_TYPES = ("layernorm", "rmsnorm")
+POSITION_EMBEDDING_TYPES = ("absolute", "sinusoidal", "rope")
+GATED_ACTIVATIONS = {"geglu": "gelu", "swiglu": "silu"}
+
+
+@strict
+class EncoderStackConfig(PreTrainedConfig):
+    r"""
+    Configuration of an EncoderStack model. Fields shared with `BertConfig` keep BERT's names and meaning, so a BERT
+    config maps onto this one field by field; the defaults describe bert-base-uncased with post-LN.
+
+    norm_placement (`str`, defaults to `"post"`):
+        Where each sublayer's normalization sits: `"post"` (BERT), `"pre"`, `"sandwich"`, `"deepnorm"` or
+        `"resi_dual"`. The README gives the equation of each.
+    norm_type (`str`, defaults to `"layernorm"`):
+        `"layernorm"` or `"rmsnorm"`, for every norm in the model.
+    embedding_norm (`bool`, defaults to `True`):
+        Normalize the summed embeddings (BERT does; Megatron-BERT does not).
+    position_embedding_type (`str`, defaults to `"absolute"`):
+        `"absolute"` (learned), `"sinusoidal"` (fixed, as in the 2017 Transformer) or `"rope"` (rotary).
+    rope_theta (`float`, defaults to 10000.0):
+        Base of the rotary frequencies, used with `position_embedding_type="rope"`.
+    resi_dual_scale (`float`, defaults to 1.0):
+        ResiDual only: constant factor on every update of the un-normalized stream. The final norm makes it
+        exact in real arithmetic; a value below 1 keeps that stream from overflowing in low precision.
+    """
+
+    model_type = "encoderstack"
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float | int = 0.1
+    attention_probs_dropout_prob: float | int = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int | None = 0
+    classifier_dropout: float | int | None = None
+    tie_word_embeddings: bool = True
+    norm_placement: str = "post"
+    norm_type: str = "layernorm"
+    embedding_norm: bool = True
+    position_embedding_type: str = "absolute"
+    rope_theta: float | int = 10000.0
+    resi_dual_scale: float | int = 1.0
+
+    def validate_architecture(self):
+        """Part of `@strict` validation: every message names the field and the offending value."""
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                     "max_position_embeddings", "type_vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)}.")
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
+                f"({self.num_attention_heads})."
+            )
+        choices = {
+            "norm_placement": NORM_PLACEMENTS,
+            "norm_type": NORM_TYPES,
+            "position_embedding_type": POSITION_EMBEDDING_TYPES,
+            "hidden_act": (*ACT2FN.keys(), *GATED_ACTIVATIONS),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Unknown `{name}` {getattr(self, name)!r}; expected one of {sorted(allowed)}.")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 1:
+                raise ValueError(f"`{name}` must lie in [0, 1), got {value}.")
+        if self.position_embedding_type == "rope" and (self.hidden_size // self.num_attention_heads) % 2:
+            raise ValueError(
+                f"Rotary positions need an even head size, got {self.hidden_size // self.num_attention_heads}."
+            )
+        for name in ("layer_norm_eps", "initializer_range", "rope_theta", "resi_dual_scale"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"`{name}` must be positive, got {getattr(self, name)}.")
+
+
+__all__ = ["EncoderStackConfig"]

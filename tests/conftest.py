@@ -1,0 +1,118 @@
+"""Shared builders for the tests: tiny configs and batches, so the whole suite runs on two CPU cores."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import encoderstack  # noqa: E402  (registers the Auto classes)
+from encoderstack import EncoderStackConfig  # noqa: E402
+
+PLACEMENTS = ("post", "pre", "sandwich", "deepnorm", "resi_dual")
+BACKENDS = ("eager", "sdpa")
+HEADS = (
+    encoderstack.EncoderStackModel,
+    encoderstack.EncoderStackForMaskedLM,
+    encoderstack.EncoderStackForPreTraining,
+    encoderstack.EncoderStackForSequenceClassification,
+    encoderstack.EncoderStackForTokenClassification,
+    encoderstack.EncoderStackForQuestionAnswering,
+    encoderstack.EncoderStackForMultipleChoice,
+)
+
+
+def tiny_config(**overrides) -> EncoderStackConfig:
+    values = dict(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+    )
+    values.update(overrides)
+    return EncoderStackConfig(**values)
+
+
+def build(model_class, seed=0, **overrides):
+    """A model with random (seeded) weights, in eval mode, with norms perturbed away from their 1/0 init so that a
+    test cannot pass by accident because a norm is the identity."""
+    torch.manual_seed(seed)
+    model = model_class(tiny_config(**overrides))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model.eval()
+
+
+def batch(batch_size=3, seq_length=9, vocab_size=99, lengths=(9, 5, 7), seed=1):
+    """Right-padded ids, mask and token types: row i has lengths[i] real tokens, the second half of type 1."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, vocab_size, (batch_size, seq_length), generator=generator)
+    attention_mask = torch.zeros(batch_size, seq_length, dtype=torch.long)
+    token_type_ids = torch.zeros(batch_size, seq_length, dtype=torch.long)
+    for row, length in enumerate(lengths[:batch_size]):
+        attention_mask[row, :length] = 1
+        token_type_ids[row, length // 2 : length] = 1
+    input_ids = input_ids.masked_fill(attention_mask == 0, 0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+
+
+def head_inputs(model_class, inputs, num_choices=2):
+    """The batch in the shape a head expects: multiple choice adds a choices dimension, each choice other tokens."""
+    if model_class is not encoderstack.EncoderStackForMultipleChoice:
+        return inputs
+    choices = {key: value.unsqueeze(1).repeat(1, num_choices, 1) for key, value in inputs.items()}
+    shift = torch.arange(num_choices).view(1, -1, 1) * 7
+    ids = (choices["input_ids"] + shift) % 98 + 1
+    choices["input_ids"] = ids.masked_fill(choices["attention_mask"] == 0, 0)
+    return choices
+
+
+def head_labels(model_class, inputs, num_labels=3):
+    generator = torch.Generator().manual_seed(2)
+    batch_size, seq_length = inputs["input_ids"].shape[:2]
+    if model_class in (encoderstack.EncoderStackForMaskedLM, encoderstack.EncoderStackForPreTraining):
+        labels = torch.randint(0, 99, (batch_size, seq_length), generator=generator)
+        labels = labels.masked_fill(inputs["attention_mask"] == 0, -100)
+        if model_class is encoderstack.EncoderStackForPreTraining:
+            return {"labels": labels, "next_sentence_label": torch.randint(0, 2, (batch_size,), generator=generator)}
+        return {"labels": labels}
+    if model_class is encoderstack.EncoderStackForSequenceClassification:
+        return {"labels": torch.randint(0, num_labels, (batch_size,), generator=generator)}
+    if model_class is encoderstack.EncoderStackForTokenClassification:
+        labels = torch.randint(0, num_labels, (batch_size, seq_length), generator=generator)
+        return {"labels": labels.masked_fill(inputs["attention_mask"] == 0, -100)}
+    if model_class is encoderstack.EncoderStackForQuestionAnswering:
+        return {
+            "start_positions": torch.randint(0, 4, (batch_size,), generator=generator),
+            "end_positions": torch.randint(4, 8, (batch_size,), generator=generator),
+        }
+    if model_class is encoderstack.EncoderStackForMultipleChoice:
+        return {"labels": torch.randint(0, 2, (batch_size,), generator=generator)}
+    return {}
+
+
+def first_output(outputs):
+    """The head's main output tensor (logits, or the last hidden state of the bare model)."""
+    for key in ("logits", "prediction_logits", "start_logits", "last_hidden_state"):
+        if getattr(outputs, key, None) is not None:
+            return getattr(outputs, key)
+    raise AssertionError(f"no main output in {type(outputs).__name__}")
+
+
+def real(tensor, attention_mask):
+    """Only the real (non-padding) token positions of a (batch, seq, ...) tensor."""
+    return tensor[attention_mask.bool()]
+
+
+@pytest.fixture
+def inputs():
+    return batch()

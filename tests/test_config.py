@@ -1,0 +1,66 @@
+"""EncoderStackConfig mirrors BertConfig's fields and rejects impossible settings with messages that say why."""
+
+import pytest
+from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoConfig, BertConfig
+
+from encoderstack import EncoderStackConfig
+
+
+def test_every_bert_config_field_maps_onto_the_same_field():
+    bert = BertConfig()
+    ours = EncoderStackConfig()
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                 "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings",
+                 "type_vocab_size", "initializer_range", "layer_norm_eps", "pad_token_id", "classifier_dropout",
+                 "tie_word_embeddings"):
+        assert getattr(ours, name) == getattr(bert, name), name
+
+
+def test_the_defaults_are_bert_with_post_ln():
+    config = EncoderStackConfig()
+    assert (config.norm_placement, config.norm_type, config.embedding_norm, config.position_embedding_type) == (
+        "post", "layernorm", True, "absolute")
+
+
+def test_auto_config_builds_the_config_from_the_model_type():
+    config = AutoConfig.for_model("encoderstack", norm_placement="pre", num_hidden_layers=24)
+    assert isinstance(config, EncoderStackConfig)
+    assert (config.norm_placement, config.num_hidden_layers) == ("pre", 24)
+
+
+def test_a_config_survives_a_save_and_load(tmp_path):
+    config = EncoderStackConfig(norm_placement="resi_dual", norm_type="rmsnorm", position_embedding_type="rope",
+                                rope_theta=500.0, resi_dual_scale=0.5, hidden_act="swiglu", embedding_norm=False)
+    config.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    saved = {key: value for key, value in config.to_dict().items() if key != "_name_or_path"}
+    assert {key: value for key, value in loaded.to_dict().items() if key != "_name_or_path"} == saved
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"hidden_size": 30, "num_attention_heads": 4}, "`hidden_size` (30) must be divisible by `num_attention_heads` (4)"),
+        ({"norm_placement": "middle"}, "Unknown `norm_placement` 'middle'"),
+        ({"norm_type": "batchnorm"}, "Unknown `norm_type` 'batchnorm'"),
+        ({"hidden_act": "sparkle"}, "Unknown `hidden_act` 'sparkle'"),
+        ({"position_embedding_type": "relative_key"}, "Unknown `position_embedding_type` 'relative_key'"),
+        ({"num_hidden_layers": 0}, "`num_hidden_layers` must be a positive integer, got 0"),
+        ({"vocab_size": -5}, "`vocab_size` must be a positive integer, got -5"),
+        ({"hidden_dropout_prob": 1.0}, "`hidden_dropout_prob` must lie in [0, 1), got 1.0"),
+        ({"attention_probs_dropout_prob": -0.1}, "`attention_probs_dropout_prob` must lie in [0, 1), got -0.1"),
+        ({"classifier_dropout": 1.5}, "`classifier_dropout` must lie in [0, 1), got 1.5"),
+        ({"position_embedding_type": "rope", "hidden_size": 36, "num_attention_heads": 4}, "even head size, got 9"),
+        ({"resi_dual_scale": 0}, "`resi_dual_scale` must be positive, got 0"),
+    ],
+)
+def test_an_impossible_config_is_rejected_with_a_clear_message(fields, message):
+    with pytest.raises(StrictDataclassError) as error:
+        EncoderStackConfig(**fields)
+    assert message in str(error.value)
+
+
+def test_a_field_of_the_wrong_type_is_rejected():
+    with pytest.raises(StrictDataclassError, match="embedding_norm"):
+        EncoderStackConfig(embedding_norm="yes")

@@ -1,0 +1,127 @@
+"""Checkpoints round-trip, resolve through the Auto classes, and load as remote code where the package is absent."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers
+from conftest import HEADS, PLACEMENTS, batch, build, first_output, head_inputs, tiny_config
+
+import encoderstack
+from encoderstack import AUTO_MAP
+
+
+def outputs_of(model, model_class):
+    with torch.no_grad():
+        return first_output(model(**head_inputs(model_class, batch())))
+
+
+@pytest.mark.parametrize("model_class", HEADS, ids=lambda c: c.__name__)
+def test_save_and_from_pretrained_round_trip_exactly(model_class, tmp_path):
+    model = build(model_class, norm_placement="sandwich")
+    model.save_pretrained(tmp_path)
+    loaded = model_class.from_pretrained(tmp_path).eval()
+    expected = model.state_dict()
+    assert loaded.state_dict().keys() == expected.keys()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    # Same weights, but memory-mapped tensors can sit at another alignment and take another BLAS path: the
+    # outputs may differ in the last bit, hence a tolerance at float32 resolution.
+    torch.testing.assert_close(outputs_of(loaded, model_class), outputs_of(model, model_class), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_every_placement_round_trips_through_auto_model(placement, tmp_path):
+    model = build(encoderstack.EncoderStackModel, norm_placement=placement, position_embedding_type="rope")
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModel.from_pretrained(tmp_path).eval()
+    assert loaded.config.norm_placement == placement
+    model_class = encoderstack.EncoderStackModel
+    torch.testing.assert_close(outputs_of(loaded, model_class), outputs_of(model, model_class), atol=1e-6, rtol=0)
+
+
+def test_every_auto_class_resolves_to_its_encoderstack_head():
+    config = transformers.AutoConfig.for_model("encoderstack", num_hidden_layers=1, hidden_size=32,
+                                               num_attention_heads=4, intermediate_size=37, vocab_size=99)
+    assert type(config) is encoderstack.EncoderStackConfig
+    for auto_name, reference in AUTO_MAP.items():
+        if auto_name != "AutoConfig":
+            model = getattr(transformers, auto_name).from_config(config)
+            assert type(model).__name__ == reference.split(".")[-1]
+
+
+def test_importing_twice_is_harmless():
+    import importlib
+
+    importlib.reload(encoderstack)
+    assert type(transformers.AutoModel.from_config(tiny_config())) is encoderstack.EncoderStackModel
+
+
+def test_masked_lm_decoder_is_tied_to_the_word_embeddings(tmp_path):
+    model = build(encoderstack.EncoderStackForMaskedLM)
+    assert model.lm_head.decoder.weight is model.model.embeddings.word_embeddings.weight
+    model.save_pretrained(tmp_path)
+    loaded = encoderstack.EncoderStackForMaskedLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.decoder.weight is loaded.model.embeddings.word_embeddings.weight
+
+
+def test_a_saved_checkpoint_carries_the_code_files_and_an_auto_map_for_every_auto_class(tmp_path):
+    build(encoderstack.EncoderStackForTokenClassification).save_pretrained(tmp_path)
+    assert {"configuration_encoderstack.py", "modeling_encoderstack.py"} <= set(os.listdir(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text())["auto_map"] == AUTO_MAP
+
+
+REMOTE_LOAD = textwrap.dedent(
+    """
+    import sys
+    sys.modules["encoderstack"] = None  # the package is not installed here
+    import torch, transformers
+    folder, auto_name, expected_path = sys.argv[1:]
+    inputs = torch.load(expected_path)
+    model = getattr(transformers, auto_name).from_pretrained(folder, trust_remote_code=True).eval()
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    with torch.no_grad():
+        out = model(**inputs["inputs"])
+    out = next(getattr(out, k) for k in ("logits", "prediction_logits", "start_logits", "last_hidden_state")
+               if getattr(out, k, None) is not None)
+    assert (out - inputs["expected"]).abs().max() <= 1e-6, (out - inputs["expected"]).abs().max()
+    print("remote load ok", type(model).__name__)
+    """
+)
+
+
+@pytest.mark.parametrize("model_class", HEADS, ids=lambda c: c.__name__)
+def test_a_saved_checkpoint_loads_with_trust_remote_code_where_the_package_cannot_be_imported(model_class, tmp_path):
+    model = build(model_class, norm_placement="resi_dual")
+    folder = tmp_path / "checkpoint"
+    model.save_pretrained(folder)
+    inputs = head_inputs(model_class, batch())
+    torch.save({"inputs": inputs, "expected": outputs_of(model, model_class)}, tmp_path / "expected.pt")
+    auto_name = next(name for name, ref in AUTO_MAP.items() if ref.endswith("." + model_class.__name__))
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", REMOTE_LOAD, str(folder), auto_name, str(tmp_path / "expected.pt")],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"remote load ok {model_class.__name__}" in result.stdout
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_activation_checkpointing_gives_the_same_gradients(placement):
+    inputs = batch()
+    grads = []
+    for checkpointing in (False, True):
+        model = build(encoderstack.EncoderStackForMaskedLM, norm_placement=placement).train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+        model(**inputs, labels=labels).loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=0, msg=name)
