@@ -15,7 +15,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: $(BIN)/.installed
-	$(BIN)/encoderstack demo
+	$(BIN)/encoderstack convert --force
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest

@@ -35,8 +35,13 @@ def _register() -> None:
 
 _register()
 
+from .conversion import ConversionError, convert, export_bert  # noqa: E402  (after registration: it needs it)
+
 __all__ = [
     "AUTO_MAP",
+    "ConversionError",
+    "convert",
+    "export_bert",
     "EncoderStackConfig",
     "EncoderStackPreTrainedModel",
     "EncoderStackModel",

@@ -276,6 +276,16 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": EncoderStackLayer, "attentions": EncoderStackAttention}
 
+    # Installed by the `encoderstack` package so that `from_pretrained` also converts BERT checkpoints on the fly;
+    # a remote-code copy of this file has none and loads EncoderStack checkpoints only.
+    checkpoint_converter = None
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        converter = EncoderStackPreTrainedModel.checkpoint_converter
+        model = converter(cls, pretrained_model_name_or_path, *args, **kwargs) if converter else None
+        return model if model is not None else super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         self.config.auto_map = dict(AUTO_MAP)
         return super().save_pretrained(save_directory, *args, **kwargs)

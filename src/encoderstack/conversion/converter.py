@@ -1,0 +1,389 @@
+"""BERT checkpoint -> EncoderStack folder (and back): plan the key mapping, stream the tensors, verify, publish.
+
+Nothing is written where the user can see it until the whole folder is complete and verified: the output is built
+in a hidden sibling folder and renamed into place at the end.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+from .. import __version__, configuration_encoderstack, modeling_encoderstack
+from ..configuration_encoderstack import EncoderStackConfig
+from ..modeling_encoderstack import AUTO_MAP
+from .keymap import (
+    BERT_FIELDS,
+    ENCODER_KEYS,
+    FAMILIES,
+    SKIPPED_KEYS,
+    TASKS,
+    ConversionError,
+    Task,
+    task_for_architecture,
+    task_for_encoderstack_class,
+    translate,
+)
+from .sources import SAFETENSORS_DTYPES, WEIGHT_FILE_NAMES, TensorSource, open_hf_weights
+
+TOLERANCE = 1e-5
+
+
+@dataclass
+class Source:
+    """A checkpoint to convert: its folder, its config as a dict, its tensors, and how to name them in BERT terms."""
+
+    folder: Path
+    config: dict
+    tensors: TensorSource
+    # source key -> (BERT key, transpose?) ; the HF format needs no renaming beyond legacy spellings
+    bert_names: dict = field(default_factory=dict)
+    skipped: dict = field(default_factory=dict)  # source keys skipped before mapping (optimizer slots, ...)
+    own_files: tuple = ()  # files that make up the checkpoint itself, not copied to the output
+
+
+@dataclass
+class Plan:
+    family: str
+    task: Task
+    config: EncoderStackConfig
+    mapped: dict  # target key -> (source key, transpose?)
+    skipped: dict  # source key -> reason
+    initialized: list  # target keys the source does not have (only when the task was chosen explicitly)
+
+
+def bert_name(key: str) -> str:
+    """The modern Hugging Face BERT name of a state-dict key: no `bert.` prefix, LayerNorm weight/bias."""
+    key = key.removeprefix("bert.")
+    return re.sub(r"LayerNorm\.gamma\Z", "LayerNorm.weight", re.sub(r"LayerNorm\.beta\Z", "LayerNorm.bias", key))
+
+
+def read_config(folder: Path, name: str = "config.json") -> dict:
+    path = folder / name
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConversionError(f"{path}: no config file") from None
+    except (OSError, ValueError) as error:
+        raise ConversionError(f"{path}: not readable JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path}: expected a JSON object")
+    return config
+
+
+def resolve_folder(name_or_path) -> Path:
+    """A local folder as is; anything else is taken as a Hub id and resolved through the normal cache."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(name_or_path)):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+        try:
+            return Path(snapshot_download(str(name_or_path)))
+        except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
+            raise ConversionError(f"{name_or_path}: no such folder, and not resolvable on the Hub ({error})") from None
+    raise ConversionError(f"{name_or_path}: no such folder")
+
+
+def open_source(name_or_path) -> Source:
+    folder = resolve_folder(name_or_path)
+    if not folder.is_dir():
+        raise ConversionError(f"{folder}: expected a checkpoint folder")
+    config = read_config(folder)
+    tensors = open_hf_weights(folder)
+    if tensors is None:
+        raise ConversionError(f"{folder}: no weights found (looked for {', '.join(WEIGHT_FILE_NAMES)})")
+    return Source(folder, config, tensors, {key: (bert_name(key), False) for key in tensors.keys()},
+                  own_files=WEIGHT_FILE_NAMES + ("config.json",))
+
+
+def encoderstack_config(source: Source, family: str, task: Task) -> EncoderStackConfig:
+    config = source.config
+    if config.get("is_decoder") or config.get("add_cross_attention"):
+        raise ConversionError(f"{source.folder}: a decoder BERT (is_decoder / add_cross_attention) is not an encoder")
+    if config.get("position_embedding_type", "absolute") != "absolute":
+        raise ConversionError(
+            f"{source.folder}: position_embedding_type {config['position_embedding_type']!r} is not supported "
+            "(EncoderStack converts absolute learned positions)"
+        )
+    fields = {name: config[name] for name in BERT_FIELDS if name in config}
+    fields.update(FAMILIES[family][1])
+    if task.name == "next-sentence":
+        fields.update(num_labels=2, id2label=None, label2id=None)
+    elif "id2label" not in fields and "num_labels" in config:
+        fields["num_labels"] = config["num_labels"]
+    if config.get("dtype", config.get("torch_dtype")) is not None:
+        fields["dtype"] = config.get("dtype", config.get("torch_dtype"))
+    try:
+        return EncoderStackConfig(**fields)
+    except Exception as error:  # the config's own validation says what is wrong
+        raise ConversionError(f"{source.folder}: config cannot describe an EncoderStack: {error}") from None
+
+
+def detect_task(source: Source) -> tuple[str, Task]:
+    family_name = source.config.get("model_type")
+    if family_name not in FAMILIES:
+        raise ConversionError(
+            f"{source.folder}: model_type {family_name!r} is not a BERT checkpoint (supported: {', '.join(FAMILIES)})"
+        )
+    architectures = source.config.get("architectures") or []
+    if len(architectures) > 1:
+        raise ConversionError(f"{source.folder}: several architectures {architectures}; choose one with --task")
+    if architectures:
+        family, task = task_for_architecture(architectures[0])
+        if family != family_name:
+            raise ConversionError(f"{source.folder}: architecture {architectures[0]} with model_type {family_name!r}")
+        return family, task
+    names = {bert for bert, _ in source.bert_names.values()}
+    has = lambda prefix: any(name.startswith(prefix) for name in names)  # noqa: E731
+    if has("cls.predictions."):
+        return family_name, TASKS["pretraining" if has("cls.seq_relationship.") else "masked-lm"]
+    return family_name, TASKS["base"]
+
+
+def expected_tensors(config: EncoderStackConfig, task: Task) -> dict:
+    """Every tensor the target model stores, with its shape (built on the meta device: no memory, no init)."""
+    with torch.device("meta"):
+        model = getattr(modeling_encoderstack, task.encoderstack_class)(config)
+    tied = set(model._tied_weights_keys or {}) if config.tie_word_embeddings else set()
+    return {key: tuple(value.shape) for key, value in model.state_dict().items() if key not in tied}
+
+
+def plan(source: Source, task_name: str | None = None) -> Plan:
+    """Decide, for every source tensor, where it goes or why it is skipped; refuse anything else."""
+    family, detected = detect_task(source)
+    task = TASKS[task_name] if task_name else detected
+    config = encoderstack_config(source, family, task)
+    expected = expected_tensors(config, task)
+    prefix = "" if task.name == "base" else "model."
+    other_heads = {pair: other.name for other in TASKS.values() if other != task for pair in other.head_keys}
+    names = {bert for bert, _ in source.bert_names.values()}
+    mapped, skipped = {}, dict(source.skipped)
+    for key, (name, transpose) in sorted(source.bert_names.items()):
+        target = translate(name, ENCODER_KEYS)
+        target = prefix + target if target else translate(name, task.head_keys)
+        if name in SKIPPED_KEYS and not (target and name == "cls.predictions.decoder.bias"
+                                         and "cls.predictions.bias" not in names):
+            skipped[key] = SKIPPED_KEYS[name]
+        elif target == "lm_head.decoder.weight" and config.tie_word_embeddings:
+            skipped[key] = "tied to the word embeddings (tie_word_embeddings=true)"
+        elif target is None:
+            owner = next((other_heads[pair] for pair in other_heads if translate(name, [pair])), None)
+            if owner is None:
+                raise ConversionError(f"{source.folder}: unknown tensor {key!r} (not part of a BERT checkpoint)")
+            skipped[key] = f"head of task {owner!r}, not used by task {task.name!r}"
+        elif target not in expected and target.startswith(prefix + "pooler."):
+            skipped[key] = f"pooler: {task.encoderstack_class} has none, as {FAMILIES[family][0] + task.bert_suffix}"
+        elif target not in expected:
+            raise ConversionError(
+                f"{source.folder}: tensor {key!r} maps to {target!r}, which {task.encoderstack_class} with "
+                f"norm_placement={config.norm_placement!r} does not have"
+            )
+        elif target in mapped:
+            raise ConversionError(f"{source.folder}: tensors {mapped[target][0]!r} and {key!r} both map to {target!r}")
+        else:
+            shape = source.tensors.shape(key)
+            shape = shape[::-1] if transpose else shape
+            if shape != expected[target]:
+                raise ConversionError(
+                    f"{source.folder}: tensor {key!r} has shape {list(shape)}, but {target!r} needs "
+                    f"{list(expected[target])} for this config"
+                )
+            mapped[target] = (key, transpose)
+    # A source may lack the pooler (BERT's add_pooling_layer=False); a task chosen explicitly may lack its head.
+    # Those start from the usual initialization and are listed; any other missing tensor is an error.
+    def may_be_missing(key):
+        in_head = bool(prefix) and not key.startswith(prefix)
+        return key.startswith(prefix + "pooler.") or (task_name is not None and in_head)
+
+    missing = sorted(key for key in expected if key not in mapped)
+    if not all(may_be_missing(key) for key in missing):
+        raise ConversionError(f"{source.folder}: missing tensors for {task.encoderstack_class}: {', '.join(missing)}")
+    return Plan(family, task, config, mapped, skipped, missing)
+
+
+def write_safetensors(path: Path, source: TensorSource, mapped: dict) -> None:
+    """Stream the mapped tensors into one safetensors file: one tensor in memory at a time."""
+    codes = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
+    header, offset, order = {}, 0, sorted(mapped)
+    for target in order:
+        key, transpose = mapped[target]
+        shape = source.shape(key)[::-1] if transpose else source.shape(key)
+        size = torch.Size(shape).numel() * torch.empty((), dtype=source.dtype(key)).element_size()
+        header[target] = {"dtype": codes[source.dtype(key)], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(encoded)) + encoded)
+        for target in tqdm(order, desc="Writing tensors", unit="tensor", disable=None, leave=False):
+            key, transpose = mapped[target]
+            tensor = source.get(key)
+            tensor = (tensor.T if transpose else tensor).contiguous()
+            out.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_encoderstack_folder(folder: Path, source: Source, conversion: Plan) -> None:
+    config = conversion.config
+    config.architectures = [conversion.task.encoderstack_class]
+    config.auto_map = dict(AUTO_MAP)
+    config.save_pretrained(folder)
+    for module in (configuration_encoderstack, modeling_encoderstack):
+        shutil.copyfile(module.__file__, folder / Path(module.__file__).name)
+    write_safetensors(folder / "model.safetensors", source.tensors, conversion.mapped)
+    copy_other_files(source, folder)
+
+
+def copy_other_files(source: Source, folder: Path) -> None:
+    """Every file of the source that is not the checkpoint itself (tokenizer, sentence-transformers modules, ...)."""
+    if not source.folder.is_dir():
+        return
+    for item in sorted(source.folder.iterdir()):
+        if item.name in source.own_files or item.name.startswith(".") or (folder / item.name).exists():
+            continue
+        if item.is_dir():
+            shutil.copytree(item, folder / item.name)
+        elif item.is_file():
+            shutil.copyfile(item, folder / item.name)
+
+
+class OutputFolder:
+    """A folder that appears only when complete: built in a hidden sibling, renamed into place on success."""
+
+    def __init__(self, path, force: bool):
+        self.path = Path(path).absolute()
+        if self.path.exists() and not force:
+            raise ConversionError(f"{self.path} already exists; pass --force (force=True) to replace it")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self) -> Path:
+        self.partial = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.partial-", dir=self.path.parent))
+        return self.partial
+
+    def __exit__(self, error_type, error, traceback):
+        if error_type is not None:
+            shutil.rmtree(self.partial, ignore_errors=True)
+            return False
+        if self.path.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.old-", dir=self.path.parent))
+            os.replace(self.path, retired / "old")
+            shutil.rmtree(retired, ignore_errors=True)
+        os.replace(self.partial, self.path)
+        return False
+
+
+def convert(source_path, output_path, task: str | None = None, verify: bool = True, force: bool = False) -> Path:
+    """Convert a BERT checkpoint folder (or Hub id) into an EncoderStack folder; returns the output path.
+
+    With `verify`, the result is compared with the reference transformers model on sample inputs, and a
+    difference above 1e-5 on any output fails the conversion (nothing is written)."""
+    source = open_source(source_path)
+    try:
+        conversion = plan(source, task)
+        output = OutputFolder(output_path, force)
+        if output.path == source.folder.absolute() or source.folder.absolute() in output.path.parents:
+            raise ConversionError(f"{output.path}: the output folder must lie outside the source folder")
+        with output as folder:
+            write_encoderstack_folder(folder, source, conversion)
+            report = {
+                "encoderstack_version": __version__,
+                "source": str(source_path),
+                "source_format": source.tensors.format,
+                "source_architecture": (source.config.get("architectures") or [None])[0],
+                "source_files": {file.name: sha256(file) for file in source.tensors.files},
+                "task": conversion.task.name,
+                "encoderstack_class": conversion.task.encoderstack_class,
+                "norm_placement": conversion.config.norm_placement,
+                "mapped": {key: target for target, (key, _) in sorted(conversion.mapped.items())},
+                "skipped": conversion.skipped,
+                "initialized": conversion.initialized,
+            }
+            if verify:
+                from .verify import verify_folder
+
+                report["parity"] = verify_folder(source, conversion, folder)
+                failures = [f"{row['output']} ({backend}): {row['max_abs_diff']:.2e}"
+                            for backend, rows in report["parity"]["results"].items() for row in rows
+                            if row["max_abs_diff"] > TOLERANCE]
+                if failures:
+                    raise ConversionError(f"parity above {TOLERANCE:g} on {'; '.join(failures)}; nothing written")
+            (folder / "conversion.json").write_text(json.dumps(report, indent=2) + "\n")
+        return output.path
+    finally:
+        source.tensors.close()
+
+
+def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
+    """A post-LN EncoderStack folder back to a plain BERT folder (`BertModel` / the matching `BertFor*`)."""
+    folder = Path(encoderstack_path)
+    config = EncoderStackConfig.from_dict(read_config(folder))
+    unsupported = {
+        "norm_placement": (config.norm_placement, "post"), "norm_type": (config.norm_type, "layernorm"),
+        "embedding_norm": (config.embedding_norm, True),
+        "position_embedding_type": (config.position_embedding_type, "absolute"),
+    }
+    for name, (value, bert_value) in unsupported.items():
+        if value != bert_value:
+            raise ConversionError(f"{folder}: BERT cannot express {name}={value!r} (BERT has {bert_value!r})")
+    if config.hidden_act not in transformers.activations.ACT2FN:
+        raise ConversionError(f"{folder}: BERT cannot express the gated activation {config.hidden_act!r}")
+    class_name = (config.architectures or ["EncoderStackModel"])[0]
+    task = task_for_encoderstack_class(class_name)
+    tensors = open_hf_weights(folder)
+    if tensors is None:
+        raise ConversionError(f"{folder}: no weights found")
+    prefix = "" if task.name == "base" else "model."
+    mapped = {}
+    for key in tensors.keys():
+        name = translate(key.removeprefix(prefix), ENCODER_KEYS, reverse=True) if key.startswith(prefix) else None
+        bert = ("" if task.name == "base" else "bert.") + name if name else translate(key, task.head_keys, reverse=True)
+        if bert is None:
+            raise ConversionError(f"{folder}: tensor {key!r} has no BERT counterpart")
+        mapped[bert] = (key, False)
+    bert_config = {name: getattr(config, name) for name in BERT_FIELDS}
+    output = OutputFolder(output_path, force)
+    with output as partial:
+        transformers.BertConfig(**bert_config, num_labels=config.num_labels,
+                                architectures=["Bert" + task.bert_suffix]).save_pretrained(partial)
+        write_safetensors(partial / "model.safetensors", tensors, mapped)
+        skip = set(WEIGHT_FILE_NAMES) | {"config.json", "conversion.json", "configuration_encoderstack.py",
+                                         "modeling_encoderstack.py"}
+        copy_other_files(Source(folder, {}, tensors, own_files=tuple(skip)), partial)
+    tensors.close()
+    return output.path
+
+
+def load_converted(model_class, name_or_path, *args, **kwargs):
+    """`EncoderStackFor*.from_pretrained` on a BERT checkpoint: convert into a temporary folder, load from there.
+    Returns None for anything that is not a BERT checkpoint, which then loads the ordinary way."""
+    try:
+        folder = Path(name_or_path) if Path(name_or_path).exists() else None
+        config = read_config(folder) if folder is not None and folder.is_dir() else None
+    except ConversionError:
+        return None
+    if config is None or config.get("model_type") not in FAMILIES:
+        return None
+    task = task_for_encoderstack_class(model_class.__name__)
+    with tempfile.TemporaryDirectory(prefix="encoderstack-") as scratch:
+        convert(folder, Path(scratch) / "model", task=task.name, verify=False)
+        return model_class.from_pretrained(Path(scratch) / "model", *args, **kwargs)

@@ -1,0 +1,112 @@
+"""Parity of a converted folder with the reference transformers model, on the real tokens of sample inputs."""
+
+import gc
+
+import torch
+import transformers
+
+from .. import modeling_encoderstack
+from .keymap import FAMILIES
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Normalization placement decides how gradients flow through a deep stack.",
+    "Hi!",
+    "BERT was pre-trained on books and Wikipedia, then fine-tuned for many tasks.",
+]
+PAIRS = [
+    ("How old is the universe?", "About 13.8 billion years."),
+    ("Where is the Eiffel tower?", "It stands in Paris, on the Champ de Mars, near the Seine."),
+    ("Is it raining?", "No."),
+    ("What does a tokenizer do?", "It splits text into the pieces a model was trained on."),
+]
+OUTPUTS = ("last_hidden_state", "pooler_output", "logits", "prediction_logits", "seq_relationship_logits",
+           "start_logits", "end_logits")
+
+
+def sample_batches(folder, config, multiple_choice: bool) -> list[dict]:
+    """The source tokenizer's encoding of single sentences and of pairs, padded; random ids without a tokenizer."""
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+    if tokenizer is not None:
+        batches = [dict(tokenizer(SENTENCES, padding=True, return_tensors="pt")),
+                   dict(tokenizer([a for a, _ in PAIRS], [b for _, b in PAIRS], padding=True, return_tensors="pt"))]
+    else:
+        generator = torch.Generator().manual_seed(0)
+        lengths = torch.tensor([12, 5, 9, 1])
+        ids = torch.randint(1, config.vocab_size, (4, 12), generator=generator)
+        mask = (torch.arange(12) < lengths[:, None]).long()
+        types = ((torch.arange(12) >= lengths[:, None] // 2) & mask.bool()).long() % config.type_vocab_size
+        batches = [{"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": types}]
+    if multiple_choice:  # consecutive rows become the choices of one question
+        batches = [{key: value.view(-1, 2, value.shape[-1]) for key, value in batch.items()} for batch in batches]
+    return batches
+
+
+def run(model, batches, backend) -> list[dict]:
+    results = []
+    with torch.no_grad():
+        for batch in batches:
+            out = model(**batch, output_hidden_states=True, output_attentions=backend == "eager")
+            mask = batch["attention_mask"].reshape(-1, batch["attention_mask"].shape[-1]).bool()
+            results.append({"out": out, "mask": mask})
+    return results
+
+
+def real(tensor, mask):
+    """Real-token rows of a per-token tensor; sequence-level tensors as they are."""
+    if tensor.dim() >= 2 and tuple(tensor.shape[:2]) == tuple(mask.shape):
+        return tensor[mask]
+    return tensor
+
+
+def compare(reference: list[dict], converted: list[dict], skip: set) -> list[dict]:
+    worst = {}
+
+    def record(name, a, b):
+        worst[name] = max(worst.get(name, 0.0), (a.float() - b.float()).abs().max().item() if a.numel() else 0.0)
+
+    for ref, ours in zip(reference, converted):
+        mask = ref["mask"]
+        for name in OUTPUTS:
+            a, b = getattr(ref["out"], name, None), getattr(ours["out"], name, None)
+            if a is not None and b is not None and name not in skip:
+                record(name, real(a, mask), real(b, mask))
+        for i, (a, b) in enumerate(zip(ref["out"].hidden_states, ours["out"].hidden_states)):
+            record("hidden_states", real(a, mask), real(b, mask))
+        for a, b in zip(ref["out"].attentions or (), ours["out"].attentions or ()):
+            record("attentions", a.transpose(1, 2)[mask], b.transpose(1, 2)[mask])  # real queries, every key
+    return [{"output": name, "max_abs_diff": value} for name, value in worst.items()]
+
+
+def verify_folder(source, conversion, folder) -> dict:
+    """Load the reference and the converted model in turn (never both at once) on eager and SDPA; compare."""
+    prefix = FAMILIES[conversion.family][0]
+    reference_class = getattr(transformers, prefix + conversion.task.bert_suffix)
+    ours_class = getattr(modeling_encoderstack, conversion.task.encoderstack_class)
+    reference_folder = getattr(source, "reference_folder", source.folder)
+    batches = sample_batches(source.folder, conversion.config, conversion.task.name == "multiple-choice")
+    skip = set()
+    if any(key.endswith("pooler.dense.weight") for key in conversion.initialized):
+        skip |= {"pooler_output"}
+    if any(not key.startswith("model.") for key in conversion.initialized) and conversion.task.name != "base":
+        skip |= set(OUTPUTS) - {"last_hidden_state"}
+    results = {}
+    for backend in ("eager", "sdpa"):
+        # Megatron-BERT has no SDPA in transformers: our SDPA path is then checked against its eager one.
+        reference_backend = backend if reference_class._supports_sdpa else "eager"
+        reference = reference_class.from_pretrained(reference_folder, attn_implementation=reference_backend).eval()
+        expected = run(reference, batches, backend)
+        del reference
+        gc.collect()
+        ours = ours_class.from_pretrained(folder, attn_implementation=backend).eval()
+        results[backend] = compare(expected, run(ours, batches, backend), skip)
+        del ours
+    return {
+        "reference": reference_class.__name__,
+        "inputs": "tokenizer: sentences and sentence pairs, padded" if len(batches) > 1 else "random ids, padded",
+        "tolerance": 1e-5,
+        "results": results,
+    }
