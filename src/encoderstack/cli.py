@@ -39,14 +39,22 @@ def convert_command(args) -> int:
 
     source = args.source if args.source is not None else embedded_default()
     output = args.output if args.output is not None else DEFAULT_OUTPUT
-    folder = convert(source, output, task=args.task, verify=not args.no_verify, force=args.force)
+    folder = convert(source, output, task=args.task, verify=not args.no_verify, force=args.force, gelu=args.gelu,
+                     lowercase=args.lowercase)
     report = json.loads((folder / "conversion.json").read_text())
     print(f"converted {source} -> {folder}")
     print(f"  {report['source_architecture'] or 'BERT'} -> {report['encoderstack_class']} "
           f"(norm_placement={report['norm_placement']}), {len(report['mapped'])} tensors mapped, "
           f"{len(report['skipped'])} skipped, {len(report['initialized'])} newly initialized")
+    for note in ("gelu", "tokenizer"):
+        if note in report:
+            print(f"  {note}: {report[note]}")
+    by_reason = {}
     for key, reason in report["skipped"].items():
-        print(f"  skipped {key}: {reason}")
+        by_reason.setdefault(reason, []).append(key)
+    for reason, keys in by_reason.items():
+        more = f" and {len(keys) - 1} more (listed in conversion.json)" if len(keys) > 1 else ""
+        print(f"  skipped {keys[0]}{more}: {reason}")
     if "parity" in report:
         print(parity_table(report["parity"]))
     return 0
@@ -72,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--task", choices=sorted(TASKS), help="head to convert to (default: from the checkpoint)")
     convert.add_argument("--no-verify", action="store_true", help="skip the parity check against transformers")
     convert.add_argument("--force", action="store_true", help="replace an existing output folder")
+    google = convert.add_argument_group("Google TensorFlow checkpoints")
+    google.add_argument("--gelu", choices=["tanh", "erf"], default="tanh",
+                        help="tanh: reproduce the original model (default); erf: transformers' historical conversion")
+    casing = google.add_mutually_exclusive_group()
+    casing.add_argument("--lowercase", dest="lowercase", action="store_true", default=None,
+                        help="the vocab.txt tokenizer lower-cases (default: from the folder name, uncased/cased)")
+    casing.add_argument("--cased", dest="lowercase", action="store_false", help="the vocab.txt tokenizer keeps case")
     convert.set_defaults(run=convert_command)
 
     export = commands.add_parser("export-bert", help="turn a post-LN EncoderStack folder back into a BERT folder")
@@ -85,10 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from .conversion import ConversionError
+    from .conversion.tf_checkpoint import TFCheckpointError
 
     try:
         return args.run(args)
-    except ConversionError as error:
+    except (ConversionError, TFCheckpointError) as error:
         print("encoderstack: error: " + " ".join(str(error).split()), file=sys.stderr)
         return 2
 

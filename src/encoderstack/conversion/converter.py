@@ -11,6 +11,7 @@ import re
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,10 +46,13 @@ class Source:
     folder: Path
     config: dict
     tensors: TensorSource
-    # source key -> (BERT key, transpose?) ; the HF format needs no renaming beyond legacy spellings
-    bert_names: dict = field(default_factory=dict)
+    bert_names: dict  # source key -> (Hugging Face BERT key, transpose?)
     skipped: dict = field(default_factory=dict)  # source keys skipped before mapping (optimizer slots, ...)
     own_files: tuple = ()  # files that make up the checkpoint itself, not copied to the output
+    copy_other_files: bool = True  # copy the folder's other files (tokenizer, modules, ...) as they are
+    notes: dict = field(default_factory=dict)  # choices made for this source, recorded in conversion.json
+    write_extras: Callable[[Path], None] | None = None  # e.g. a tokenizer built from a TF release's vocab.txt
+    reference: str = "source"  # verify against the source folder, or against a BERT "exported" from our result
 
 
 @dataclass
@@ -96,8 +100,14 @@ def resolve_folder(name_or_path) -> Path:
     raise ConversionError(f"{name_or_path}: no such folder")
 
 
-def open_source(name_or_path) -> Source:
-    folder = resolve_folder(name_or_path)
+def open_source(name_or_path, gelu: str = "tanh", lowercase: bool | None = None) -> Source:
+    """The checkpoint at a folder, Hub id or TensorFlow prefix (`gelu`, `lowercase`: TensorFlow releases only)."""
+    from .tensorflow import open_tf_source
+
+    folder = resolve_folder(name_or_path) if not Path(f"{name_or_path}.index").is_file() else Path(name_or_path)
+    tf_source = open_tf_source(folder, gelu=gelu, lowercase=lowercase)
+    if tf_source is not None:
+        return tf_source
     if not folder.is_dir():
         raise ConversionError(f"{folder}: expected a checkpoint folder")
     config = read_config(folder)
@@ -251,13 +261,14 @@ def write_encoderstack_folder(folder: Path, source: Source, conversion: Plan) ->
     for module in (configuration_encoderstack, modeling_encoderstack):
         shutil.copyfile(module.__file__, folder / Path(module.__file__).name)
     write_safetensors(folder / "model.safetensors", source.tensors, conversion.mapped)
-    copy_other_files(source, folder)
+    if source.write_extras is not None:
+        source.write_extras(folder)
+    if source.copy_other_files:
+        copy_other_files(source, folder)
 
 
 def copy_other_files(source: Source, folder: Path) -> None:
     """Every file of the source that is not the checkpoint itself (tokenizer, sentence-transformers modules, ...)."""
-    if not source.folder.is_dir():
-        return
     for item in sorted(source.folder.iterdir()):
         if item.name in source.own_files or item.name.startswith(".") or (folder / item.name).exists():
             continue
@@ -292,12 +303,16 @@ class OutputFolder:
         return False
 
 
-def convert(source_path, output_path, task: str | None = None, verify: bool = True, force: bool = False) -> Path:
-    """Convert a BERT checkpoint folder (or Hub id) into an EncoderStack folder; returns the output path.
+def convert(source_path, output_path, task: str | None = None, verify: bool = True, force: bool = False,
+            gelu: str = "tanh", lowercase: bool | None = None) -> Path:
+    """Convert a BERT checkpoint (folder, Hub id, or TensorFlow checkpoint) into an EncoderStack folder; returns
+    the output path.
 
     With `verify`, the result is compared with the reference transformers model on sample inputs, and a
-    difference above 1e-5 on any output fails the conversion (nothing is written)."""
-    source = open_source(source_path)
+    difference above 1e-5 on any output fails the conversion (nothing is written). For Google's TensorFlow
+    releases, `gelu` picks the activation ("tanh": the original model's numbers; "erf": transformers' historical
+    conversion) and `lowercase` the tokenizer's casing (default: from the folder name)."""
+    source = open_source(source_path, gelu=gelu, lowercase=lowercase)
     try:
         conversion = plan(source, task)
         output = OutputFolder(output_path, force)
@@ -314,14 +329,13 @@ def convert(source_path, output_path, task: str | None = None, verify: bool = Tr
                 "task": conversion.task.name,
                 "encoderstack_class": conversion.task.encoderstack_class,
                 "norm_placement": conversion.config.norm_placement,
+                **source.notes,
                 "mapped": {key: target for target, (key, _) in sorted(conversion.mapped.items())},
                 "skipped": conversion.skipped,
                 "initialized": conversion.initialized,
             }
             if verify:
-                from .verify import verify_folder
-
-                report["parity"] = verify_folder(source, conversion, folder)
+                report["parity"] = check_parity(source, conversion, folder)
                 failures = [f"{row['output']} ({backend}): {row['max_abs_diff']:.2e}"
                             for backend, rows in report["parity"]["results"].items() for row in rows
                             if row["max_abs_diff"] > TOLERANCE]
@@ -331,6 +345,16 @@ def convert(source_path, output_path, task: str | None = None, verify: bool = Tr
         return output.path
     finally:
         source.tensors.close()
+
+
+def check_parity(source: Source, conversion: Plan, folder: Path) -> dict:
+    from .verify import verify_folder
+
+    if source.reference == "source":
+        return verify_folder(source.folder, conversion, folder)
+    # No TensorFlow at run time: the reference is transformers' BERT class built from the same tensors.
+    with tempfile.TemporaryDirectory(prefix="encoderstack-reference-") as scratch:
+        return verify_folder(export_bert(folder, Path(scratch) / "bert"), conversion, folder)
 
 
 def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
@@ -368,7 +392,7 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
         write_safetensors(partial / "model.safetensors", tensors, mapped)
         skip = set(WEIGHT_FILE_NAMES) | {"config.json", "conversion.json", "configuration_encoderstack.py",
                                          "modeling_encoderstack.py"}
-        copy_other_files(Source(folder, {}, tensors, own_files=tuple(skip)), partial)
+        copy_other_files(Source(folder, {}, tensors, {}, own_files=tuple(skip)), partial)
     tensors.close()
     return output.path
 

@@ -25,7 +25,7 @@ OUTPUTS = ("last_hidden_state", "pooler_output", "logits", "prediction_logits", 
 
 
 def sample_batches(folder, config, multiple_choice: bool) -> list[dict]:
-    """The source tokenizer's encoding of single sentences and of pairs, padded; random ids without a tokenizer."""
+    """The tokenizer's encoding of single sentences and of pairs, padded; random ids without a tokenizer."""
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError):
@@ -81,13 +81,12 @@ def compare(reference: list[dict], converted: list[dict], skip: set) -> list[dic
     return [{"output": name, "max_abs_diff": value} for name, value in worst.items()]
 
 
-def verify_folder(source, conversion, folder) -> dict:
+def verify_folder(reference_folder, conversion, folder) -> dict:
     """Load the reference and the converted model in turn (never both at once) on eager and SDPA; compare."""
     prefix = FAMILIES[conversion.family][0]
     reference_class = getattr(transformers, prefix + conversion.task.bert_suffix)
     ours_class = getattr(modeling_encoderstack, conversion.task.encoderstack_class)
-    reference_folder = getattr(source, "reference_folder", source.folder)
-    batches = sample_batches(source.folder, conversion.config, conversion.task.name == "multiple-choice")
+    batches = sample_batches(folder, conversion.config, conversion.task.name == "multiple-choice")
     skip = set()
     if any(key.endswith("pooler.dense.weight") for key in conversion.initialized):
         skip |= {"pooler_output"}
