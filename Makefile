@@ -16,9 +16,10 @@ $(BIN)/.installed: pyproject.toml Makefile
 
 demo: $(BIN)/.installed
 	$(BIN)/encoderstack convert --force
+	$(BIN)/encoderstack finetune --force
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest
 
 clean:
-	rm -rf $(VENV) encoderstack-all-MiniLM-L6-v2
+	rm -rf $(VENV) encoderstack-all-MiniLM-L6-v2 encoderstack-finetuned

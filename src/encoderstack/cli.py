@@ -68,8 +68,27 @@ def export_command(args) -> int:
     return 0
 
 
+def finetune_command(args) -> int:
+    from .finetune import finetune
+
+    model = args.model
+    if model is None:  # the main job's output if it is there, else the embedded BERT, converted on the fly
+        model = DEFAULT_OUTPUT if Path(DEFAULT_OUTPUT).is_dir() else str(embedded_default())
+    defaults = {key: value for key, value in (("train", args.train), ("eval", args.eval)) if value is not None}
+    record = finetune(model, args.output, task=args.task, epochs=args.epochs, batch_size=args.batch_size,
+                      learning_rate=args.lr, max_length=args.max_length, seed=args.seed,
+                      gradient_accumulation_steps=args.gradient_accumulation_steps, force=args.force,
+                      optim=args.optim, **defaults)
+    print(f"fine-tuned {model} on {record['train']} ({record['train_rows']} rows) -> {args.output}")
+    for name in (name for name in record["after"] if name != "loss"):
+        print(f"  {name} on {record['eval']}: {record['before'][name]:.3f} before -> {record['after'][name]:.3f} after")
+    print(f"  eval loss {record['before']['loss']:.3f} -> {record['after']['loss']:.3f}; plot: {args.output}/loss.png")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .conversion import TASKS
+    from .hub import add_hub_commands
 
     parser = argparse.ArgumentParser(prog="encoderstack", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -89,11 +108,33 @@ def build_parser() -> argparse.ArgumentParser:
     casing.add_argument("--cased", dest="lowercase", action="store_false", help="the vocab.txt tokenizer keeps case")
     convert.set_defaults(run=convert_command)
 
+    tune = commands.add_parser("finetune", help="fine-tune with transformers' Trainer (works under torchrun)")
+    tune.add_argument("--model", help=f"EncoderStack or BERT folder (default: ./{DEFAULT_OUTPUT}, else the "
+                                      "embedded checkpoint)")
+    tune.add_argument("--task", default="text-classification",
+                      choices=["text-classification", "token-classification", "question-answering"])
+    tune.add_argument("--train", help="CSV or JSON lines (default: the shipped sentiment data)")
+    tune.add_argument("--eval", help="CSV or JSON lines (default: the shipped sentiment data)")
+    tune.add_argument("--output", default="encoderstack-finetuned", help="where the best checkpoint goes")
+    tune.add_argument("--epochs", type=float, default=3.0)
+    tune.add_argument("--batch-size", type=int, default=16, help="per process")
+    tune.add_argument("--lr", type=float, default=1e-4)
+    tune.add_argument("--max-length", type=int, default=128)
+    tune.add_argument("--seed", type=int, default=42)
+    tune.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    tune.add_argument("--optim", default="adamw_torch", help="any TrainingArguments optim, e.g. sgd")
+    tune.add_argument("--force", action="store_true", help="replace an existing output folder")
+    tune.set_defaults(run=finetune_command)
+
     export = commands.add_parser("export-bert", help="turn a post-LN EncoderStack folder back into a BERT folder")
     export.add_argument("source")
     export.add_argument("output")
     export.add_argument("--force", action="store_true", help="replace an existing output folder")
     export.set_defaults(run=export_command)
+    add_hub_commands(commands)
+    from .diagnostics import add_diagnose_command
+
+    add_diagnose_command(commands)
     return parser
 
 
@@ -101,10 +142,12 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from .conversion import ConversionError
     from .conversion.tf_checkpoint import TFCheckpointError
+    from .finetune import DataError
+    from .hub_card import HubError
 
     try:
         return args.run(args)
-    except (ConversionError, TFCheckpointError) as error:
+    except (ConversionError, TFCheckpointError, DataError, HubError) as error:
         print("encoderstack: error: " + " ".join(str(error).split()), file=sys.stderr)
         return 2
 

@@ -290,6 +290,15 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
         self.config.auto_map = dict(AUTO_MAP)
         return super().save_pretrained(save_directory, *args, **kwargs)
 
+    # Installed by the `encoderstack` package so that `push_to_hub` checks what it sends and writes the package's
+    # model card (transformers' own writes a generic template); a remote-code copy pushes the way transformers does.
+    hub_publisher = None
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Save the model with its card and code files and push it to the Hub repository `repo_id` in one commit."""
+        publisher = EncoderStackPreTrainedModel.hub_publisher
+        return publisher(self, repo_id, **kwargs) if publisher else super().push_to_hub(repo_id, **kwargs)
+
     def _init_weights(self, module):
         """BERT's init (normal(0, initializer_range), zero biases, unit norms), plus DeepNet's beta gain."""
         super()._init_weights(module)

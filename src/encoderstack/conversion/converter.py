@@ -20,6 +20,8 @@ import transformers
 from tqdm.auto import tqdm
 
 from .. import __version__, configuration_encoderstack, modeling_encoderstack
+from ..hub_card import write_card
+from ..jsonfile import read_json_object
 from ..configuration_encoderstack import EncoderStackConfig
 from ..modeling_encoderstack import AUTO_MAP
 from .keymap import (
@@ -72,23 +74,19 @@ def bert_name(key: str) -> str:
 
 
 def read_config(folder: Path, name: str = "config.json") -> dict:
-    path = folder / name
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConversionError(f"{path}: no config file") from None
-    except (OSError, ValueError) as error:
-        raise ConversionError(f"{path}: not readable JSON ({error})") from None
-    if not isinstance(config, dict):
-        raise ConversionError(f"{path}: expected a JSON object")
-    return config
+    return read_json_object(folder / name, ConversionError)
+
+
+def hub_id(name_or_path) -> str | None:
+    """The Hub id that a source names, or None for a local folder, file or TensorFlow checkpoint prefix."""
+    local = Path(name_or_path).exists() or Path(f"{name_or_path}.index").is_file()
+    return None if local else str(name_or_path)
 
 
 def resolve_folder(name_or_path) -> Path:
-    """A local folder as is; anything else is taken as a Hub id and resolved through the normal cache."""
-    path = Path(name_or_path)
-    if path.exists():
-        return path
+    """A local path as is; anything else is taken as a Hub id and resolved through the normal cache."""
+    if hub_id(name_or_path) is None:
+        return Path(name_or_path)
     if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(name_or_path)):
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -104,7 +102,7 @@ def open_source(name_or_path, gelu: str = "tanh", lowercase: bool | None = None)
     """The checkpoint at a folder, Hub id or TensorFlow prefix (`gelu`, `lowercase`: TensorFlow releases only)."""
     from .tensorflow import open_tf_source
 
-    folder = resolve_folder(name_or_path) if not Path(f"{name_or_path}.index").is_file() else Path(name_or_path)
+    folder = resolve_folder(name_or_path)
     tf_source = open_tf_source(folder, gelu=gelu, lowercase=lowercase)
     if tf_source is not None:
         return tf_source
@@ -323,6 +321,7 @@ def convert(source_path, output_path, task: str | None = None, verify: bool = Tr
             report = {
                 "encoderstack_version": __version__,
                 "source": str(source_path),
+                "source_hub_id": hub_id(source_path),
                 "source_format": source.tensors.format,
                 "source_architecture": (source.config.get("architectures") or [None])[0],
                 "source_files": {file.name: sha256(file) for file in source.tensors.files},
@@ -342,6 +341,7 @@ def convert(source_path, output_path, task: str | None = None, verify: bool = Tr
                 if failures:
                     raise ConversionError(f"parity above {TOLERANCE:g} on {'; '.join(failures)}; nothing written")
             (folder / "conversion.json").write_text(json.dumps(report, indent=2) + "\n")
+            write_card(folder, repo_id=output.path.name)  # the name it will have, not the partial one
         return output.path
     finally:
         source.tensors.close()

