@@ -234,7 +234,7 @@ def test_the_output_folder_is_a_drop_in_replacement_for_the_source(tmp_path):
     folder = encoderstack.convert(source, tmp_path / "out")
     names = {path.name for path in folder.iterdir()}
     assert names == {"config.json", "model.safetensors", "configuration_encoderstack.py", "modeling_encoderstack.py",
-                     "conversion.json", "vocab.txt", "1_Pooling"}
+                     "conversion.json", "README.md", "vocab.txt", "1_Pooling"}
     assert (folder / "vocab.txt").read_text() == "[PAD]\n[UNK]\n"
     assert json.loads((folder / "config.json").read_text())["auto_map"] == encoderstack.AUTO_MAP
 
