@@ -134,7 +134,7 @@ def test_resi_dual_feeds_the_normalized_stream_to_the_next_sublayer():
     captured = []
     model.layers[0].mlp.register_forward_hook(lambda module, args, out: captured.append(args[0]))
     with torch.no_grad():
-        model(**inputs)
+        model(**inputs, padding_free=False)  # the hook reads the padded (batch, seq, hidden) layout
         embedded = model.embeddings(inputs["input_ids"], inputs["token_type_ids"], torch.arange(9).expand(3, -1), None)
         layer = model.layers[0]
         first = attention(layer, embedded, inputs["attention_mask"], model.config.num_attention_heads)

@@ -34,6 +34,11 @@ class EncoderStackConfig(PreTrainedConfig):
     resi_dual_scale (`float`, defaults to 1.0):
         ResiDual only: constant factor on every update of the un-normalized stream. The final norm makes it
         exact in real arithmetic; a value below 1 keeps that stream from overflowing in low precision.
+    padding_free (`bool`, defaults to `True`):
+        When the attention mask has padding, run on the real tokens only: gather them once, do the position-wise
+        work on them and attention per sequence, scatter once at the end (padded positions of every per-token
+        output are then 0). Same numbers on real tokens; `False` runs the padded batch as BERT does. The
+        `padding_free` argument of `forward` overrides it per call.
     """
 
     model_type = "encoderstack"
@@ -59,6 +64,7 @@ class EncoderStackConfig(PreTrainedConfig):
     position_embedding_type: str = "absolute"
     rope_theta: float | int = 10000.0
     resi_dual_scale: float | int = 1.0
+    padding_free: bool = True
 
     def validate_architecture(self):
         """Part of `@strict` validation: every message names the field and the offending value."""

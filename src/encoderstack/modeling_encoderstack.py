@@ -1,7 +1,8 @@
 """EncoderStack: BERT's bidirectional encoder stack with the normalization placement as a config choice.
 
-Read top to bottom: embeddings, attention, feed-forward, the residual/normalization policy (the one place that knows
-the placements), the layer, the stack, the pre-trained base with its initialization, then the task heads.
+Read top to bottom: embeddings, attention (with `Packing`, the one place that knows the padding-free path),
+feed-forward, the residual/normalization policy (the one place that knows the placements), the layer, the stack, the
+pre-trained base with its initialization, then the task heads.
 
 Self-contained on purpose (imports torch, transformers and `.configuration_encoderstack` only): `save_pretrained`
 copies this file next to the weights so that `trust_remote_code=True` works without the package.
@@ -96,7 +97,8 @@ class EncoderStackRotaryEmbedding(nn.Module):
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         angles = position_ids.unsqueeze(-1).float() * self.inv_freq
-        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (batch, 1, seq, head_dim)
+        # (..., 1, head_dim): broadcasts over the heads of (batch, seq, heads, head_dim) and packed (tokens, heads, ...)
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(-2)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -112,6 +114,37 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     weights = nn.functional.softmax(scores, dim=-1)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+class Packing:
+    """The real tokens of a padded batch, row after row: built once per forward from the attention mask.
+
+    On the padding-free path everything position-wise (embeddings, projections, FFN, norms, token heads) runs on the
+    packed tokens, and attention runs on each sequence alone, so it needs no mask and does no work on padding.
+    """
+
+    def __init__(self, attention_mask: torch.Tensor):
+        real = attention_mask.bool()
+        self.shape = tuple(real.shape)
+        self.index = real.flatten().nonzero().squeeze(-1)
+        self.lengths = [length for length in real.sum(-1).tolist() if length]  # a row of only padding has no tokens
+
+    def pack(self, padded: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, ...) -> (tokens, ...)"""
+        return padded.flatten(0, 1).index_select(0, self.index)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """(tokens, ...) -> (batch, seq, ...), with zeros at the padding"""
+        padded = packed.new_zeros(self.shape[0] * self.shape[1], *packed.shape[1:])
+        return padded.index_copy_(0, self.index, packed).unflatten(0, self.shape)
+
+    def attend(self, attention, module, query, key, value, **kwargs) -> torch.Tensor:
+        """`attention` on each sequence alone, without a mask: (tokens, heads, head_dim) in and out."""
+        contexts = []
+        for sequence in zip(*(x.split(self.lengths) for x in (query, key, value))):
+            q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in sequence)  # (1, heads, length, head_dim)
+            contexts.append(attention(module, q, k, v, None, **kwargs)[0].squeeze(0))
+        return torch.cat(contexts)
 
 
 class EncoderStackAttention(nn.Module):
@@ -132,23 +165,19 @@ class EncoderStackAttention(nn.Module):
         self.attention_dropout = config.attention_probs_dropout_prob
 
     def forward(self, hidden_states, attention_mask, rotary=None, **kwargs):
+        """`hidden_states` is (batch, seq, hidden) with the backend's `attention_mask`, or the packed (tokens, hidden)
+        with the `Packing` in its place."""
         heads_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query, key, value = (
-            proj(hidden_states).view(heads_shape).transpose(1, 2) for proj in (self.query, self.key, self.value)
-        )
+        query, key, value = (proj(hidden_states).view(heads_shape) for proj in (self.query, self.key, self.value))
         if rotary is not None:
             query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        context, weights = attention(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            scaling=self.scaling,
-            dropout=self.attention_dropout if self.training else 0.0,
-            **kwargs,
-        )
+        kwargs.update(scaling=self.scaling, dropout=self.attention_dropout if self.training else 0.0)
+        if isinstance(attention_mask, Packing):
+            context, weights = attention_mask.attend(attention, self, query, key, value, **kwargs), None
+        else:
+            query, key, value = (x.transpose(1, 2) for x in (query, key, value))
+            context, weights = attention(self, query, key, value, attention_mask, **kwargs)
         return self.output(context.reshape(*hidden_states.shape[:-1], -1)), weights
 
 
@@ -334,23 +363,59 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         token_type_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        padding_free: bool | None = None,
+        packing: Packing | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling:
+        """`padding_free` overrides `config.padding_free` for this call (see `packing_for`); `packing` is passed by
+        the heads that run their own token-level work on the same packed tokens."""
         self._check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         batch_size, seq_length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         if position_ids is None:
-            position_ids = torch.arange(seq_length, device=device).expand(batch_size, -1)
+            position_ids = torch.arange(seq_length, device=device)
+        position_ids = position_ids.expand(batch_size, seq_length)
+        packing = packing if packing is not None else self.packing_for(attention_mask, padding_free, **kwargs)
+        if packing is not None:  # gather the real tokens once, before the embeddings
+            input_ids, token_type_ids, position_ids, inputs_embeds = (
+                None if x is None else packing.pack(x) for x in (input_ids, token_type_ids, position_ids, inputs_embeds)
+            )
 
         hidden_states = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
-        mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask)
+        if packing is not None:
+            mask = packing
+        else:
+            mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
+                                             attention_mask=attention_mask)
         rotary = self.rotary(position_ids, hidden_states.dtype) if self.rotary is not None else None
         dual = hidden_states * self.config.resi_dual_scale if PLACEMENTS[self.config.norm_placement].dual_stream else None
         for layer in self.layers:
             hidden_states, dual = layer(hidden_states, dual, mask, rotary, **kwargs)
         hidden_states = self.final(hidden_states, dual)
+        if packing is not None:  # scatter once, at the end
+            hidden_states = packing.unpack(hidden_states)
         pooled = self.pooler(hidden_states) if self.pooler is not None else None
         return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooled)
+
+    def packing_for(self, attention_mask, padding_free=None, **kwargs) -> Packing | None:
+        """The packing of the real tokens when this forward runs padding-free, else None (the padded path).
+
+        Padding-free is on by `config.padding_free` or the `padding_free` argument, and runs only when the mask has
+        both padding and real tokens: a batch without padding has nothing to gain. Requested hidden states and
+        attention maps are recorded by hooks on the layers, so they take the padded path and come out as in BERT.
+        """
+        if padding_free is None:
+            padding_free = self.config.padding_free
+        if not isinstance(padding_free, bool):
+            raise ValueError(f"`padding_free` must be True, False or None, got {padding_free!r}.")
+        recorded = any(kwargs.get(f"output_{name}", getattr(self.config, f"output_{name}", False))
+                       for name in ("hidden_states", "attentions"))
+        if not padding_free or recorded or attention_mask is None or attention_mask.dim() != 2:
+            return None
+        if torch.compiler.is_compiling():  # packed shapes change with every batch (a recompile each): stay padded
+            return None
+        real = attention_mask.bool()
+        return Packing(real) if real.any() and not real.all() else None
 
     def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds):
         """Turn the mistakes that would otherwise surface as an index error deep in a kernel into a clear message."""
@@ -409,6 +474,17 @@ def cross_entropy(logits, labels, num_items_in_batch=None, ignore_index=-100):
     return loss.sum() / num_items_in_batch
 
 
+def per_token(head, hidden_states, packing: Packing | None, labels=None, num_items_in_batch=None):
+    """A token-level head's logits and, given `labels`, their cross-entropy. Padding-free, both run on the real tokens
+    only: the logits come back with zeros at the padding, and labels at padded positions count for nothing."""
+    if packing is not None:
+        hidden_states = packing.pack(hidden_states)
+        labels = packing.pack(labels) if labels is not None else None
+    logits = head(hidden_states)
+    loss = cross_entropy(logits, labels, num_items_in_batch) if labels is not None else None
+    return (logits if packing is None else packing.unpack(logits)), loss
+
+
 class EncoderStackHead(EncoderStackPreTrainedModel):
     """Shared plumbing of the task heads: the encoder (pooled or not) and the forward arguments they all take."""
 
@@ -419,16 +495,20 @@ class EncoderStackHead(EncoderStackPreTrainedModel):
         self.model = EncoderStackModel(config, add_pooling_layer=self.uses_pooler)
 
     def encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs):
+        """The encoder's outputs, and the packing it ran on (None on the padded path) for the token-level heads."""
         kwargs.pop("num_items_in_batch", None)
-        return self.model(
+        packing = self.model.packing_for(attention_mask, **kwargs)
+        outputs = self.model(
             input_ids,
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
+            packing=packing,
             return_dict=True,
             **kwargs,
         )
+        return outputs, packing
 
 
 class EncoderStackClassifierHead(EncoderStackHead):
@@ -444,9 +524,12 @@ class EncoderStackClassifierHead(EncoderStackHead):
         self.post_init()
 
     def classify(self, *inputs, **kwargs):
-        outputs = self.encode(*inputs, **kwargs)
-        features = outputs.pooler_output if self.uses_pooler else outputs.last_hidden_state
-        return self.classifier(self.dropout(features)), outputs
+        """The logits of the pooled first token (the sequence-level heads; token-level ones use `per_token`)."""
+        outputs, _ = self.encode(*inputs, **kwargs)
+        return self.logits(outputs.pooler_output), outputs
+
+    def logits(self, features):
+        return self.classifier(self.dropout(features))
 
 
 class EncoderStackForMaskedLM(EncoderStackHead):
@@ -467,9 +550,8 @@ class EncoderStackForMaskedLM(EncoderStackHead):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, **kwargs) -> MaskedLMOutput:
         num_items = kwargs.get("num_items_in_batch")
-        outputs = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
-        logits = self.lm_head(outputs.last_hidden_state)
-        loss = cross_entropy(logits, labels, num_items) if labels is not None else None
+        outputs, packing = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
+        logits, loss = per_token(self.lm_head, outputs.last_hidden_state, packing, labels, num_items)
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                               attentions=outputs.attentions)
 
@@ -500,12 +582,12 @@ class EncoderStackForPreTraining(EncoderStackHead):
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, next_sentence_label=None, **kwargs) -> EncoderStackForPreTrainingOutput:
-        outputs = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
-        prediction_logits = self.lm_head(outputs.last_hidden_state)
+        outputs, packing = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
+        mlm_labels = labels if next_sentence_label is not None else None
+        prediction_logits, loss = per_token(self.lm_head, outputs.last_hidden_state, packing, mlm_labels)
         seq_relationship_logits = self.next_sentence(outputs.pooler_output)
-        loss = None
-        if labels is not None and next_sentence_label is not None:
-            loss = cross_entropy(prediction_logits, labels) + cross_entropy(seq_relationship_logits, next_sentence_label)
+        if loss is not None:
+            loss = loss + cross_entropy(seq_relationship_logits, next_sentence_label)
         return EncoderStackForPreTrainingOutput(
             loss=loss,
             prediction_logits=prediction_logits,
@@ -552,8 +634,8 @@ class EncoderStackForTokenClassification(EncoderStackClassifierHead):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, labels=None, **kwargs) -> TokenClassifierOutput:
         num_items = kwargs.get("num_items_in_batch")
-        logits, outputs = self.classify(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
-        loss = cross_entropy(logits, labels, num_items) if labels is not None else None
+        outputs, packing = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
+        logits, loss = per_token(self.logits, outputs.last_hidden_state, packing, labels, num_items)
         return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                      attentions=outputs.attentions)
 
@@ -566,7 +648,8 @@ class EncoderStackForQuestionAnswering(EncoderStackClassifierHead):
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, start_positions=None, end_positions=None, **kwargs) -> QuestionAnsweringModelOutput:
-        logits, outputs = self.classify(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
+        outputs, packing = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
+        logits, _ = per_token(self.logits, outputs.last_hidden_state, packing)
         start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
         loss = None
         if start_positions is not None and end_positions is not None:

