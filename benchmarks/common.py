@@ -230,8 +230,9 @@ def interleave(variants, iterations, device, peak_size):
 def header(title, device):
     where = f"{torch.get_num_threads()} threads" if device == "cpu" else torch.cuda.get_device_name()
     clock = "CPU time" if CLOCK is time.process_time else "wall clock"
+    malloc = " ".join(f"{name}={value}" for name, value in sorted(os.environ.items()) if name.startswith("MALLOC_"))
     print(f"{title}: float32, {device} ({where}, {os.cpu_count()} cores), {clock}, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}")
+          f"transformers {transformers.__version__}" + (f", {malloc}" if malloc else ""))
 
 
 def command_line():

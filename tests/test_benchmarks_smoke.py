@@ -19,6 +19,7 @@ RUNS = {
     "inference.py": [*ONE_ROUND, "--sizes", "2x16", "--peak-size", "64"],
     "training.py": [*ONE_ROUND, "--sizes", "2x16", "--peak-size", "64"],
     "convert.py": ONE_ROUND,
+    "attention.py": [*ONE_ROUND, "--sizes", "2x16"],
 }
 
 

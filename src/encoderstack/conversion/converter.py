@@ -11,6 +11,7 @@ import re
 import shutil
 import struct
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,7 +241,8 @@ def write_safetensors(path: Path, source: TensorSource, mapped: dict) -> None:
             key, transpose = mapped[target]
             tensor = source.get(key)
             tensor = (tensor.T if transpose else tensor).contiguous()
-            out.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+            if tensor.numel():
+                out.write(tensor.reshape(-1).view(torch.uint8).numpy())  # the tensor's own buffer, no copy
 
 
 def sha256(path: Path) -> str:
@@ -316,7 +318,9 @@ def convert(source_path, output_path, task: str | None = None, verify: bool = Tr
         output = OutputFolder(output_path, force)
         if output.path == source.folder.absolute() or source.folder.absolute() in output.path.parents:
             raise ConversionError(f"{output.path}: the output folder must lie outside the source folder")
-        with output as folder:
+        with output as folder, ThreadPoolExecutor(1) as hasher:
+            # hashing the source (for the record) overlaps the write: hashlib releases the GIL on large reads
+            digests = {file.name: hasher.submit(sha256, file) for file in source.tensors.files}
             write_encoderstack_folder(folder, source, conversion)
             report = {
                 "encoderstack_version": __version__,
@@ -324,7 +328,7 @@ def convert(source_path, output_path, task: str | None = None, verify: bool = Tr
                 "source_hub_id": hub_id(source_path),
                 "source_format": source.tensors.format,
                 "source_architecture": (source.config.get("architectures") or [None])[0],
-                "source_files": {file.name: sha256(file) for file in source.tensors.files},
+                "source_files": {name: digest.result() for name, digest in digests.items()},
                 "task": conversion.task.name,
                 "encoderstack_class": conversion.task.encoderstack_class,
                 "norm_placement": conversion.config.norm_placement,

@@ -1,0 +1,80 @@
+"""Attention on packed tokens: EncoderStack's per-sequence SDPA loop against one SDPA call on a re-padded
+(batch, heads, length, head_dim) view with a padding mask, forward (inference) and forward + backward (training).
+The loop does no work on padding but makes one call per sequence; the re-padded view makes one call on all of it.
+
+    python benchmarks/attention.py                     # minilm's and bert-base's head shapes, 32x128 and 8x512
+"""
+
+import random
+
+import common
+import torch
+from torch.nn import functional as F
+
+HEAD_SHAPES = {"minilm": (12, 32), "bert-base": (12, 64)}  # heads, head_dim
+
+
+def per_sequence(query, key, value, lengths):
+    """What `Packing.attend` does: (tokens, heads, head_dim) in and out."""
+    contexts = []
+    for q, k, v in zip(*(x.split(lengths) for x in (query, key, value))):
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        contexts.append(F.scaled_dot_product_attention(q, k, v).squeeze(0).transpose(0, 1))
+    return torch.cat(contexts)
+
+
+def re_padded(query, key, value, real):
+    """Scatter to (batch, heads, length, head_dim), one masked SDPA call, gather the real tokens back."""
+    index = real.flatten().nonzero().squeeze(-1)
+
+    def padded(x):
+        grid = x.new_zeros(real.numel(), *x.shape[1:]).index_copy(0, index, x)
+        return grid.unflatten(0, real.shape).transpose(1, 2)
+
+    context = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), attn_mask=real[:, None, None])
+    return context.transpose(1, 2).flatten(0, 1).index_select(0, index)
+
+
+def main():
+    parser = common.common_arguments(__doc__.splitlines()[0], sizes="32x128,8x512", models="minilm,bert-base")
+    args = parser.parse_args()
+    if args.quick:
+        args.models, args.sizes = "minilm", args.sizes.split(",")[0]
+    iterations = args.iterations or (5 if args.quick else 15)
+    common.setup(args)
+    common.header("attention on packed tokens", args.device)
+    rows = []
+    for name in common.parse_models(args.models):
+        heads, head_dim = HEAD_SHAPES[name] if isinstance(name, str) else (
+            name["num_attention_heads"], name["hidden_size"] // name["num_attention_heads"])
+        for batch_size, max_length in common.parse_sizes(args.sizes):
+            rng = random.Random(f"{args.seed}-{batch_size}-{max_length}")
+            lengths = common.lengths_for("uniform", batch_size, max_length, rng, None)
+            real = (torch.arange(max_length)[None] < torch.tensor(lengths)[:, None]).to(args.device)
+            for mode in ("inference", "training"):
+                training = mode == "training"
+                query, key, value = (torch.randn(sum(lengths), heads, head_dim, device=args.device,
+                                                 requires_grad=training) for _ in range(3))
+                torch.testing.assert_close(per_sequence(query, key, value, lengths), re_padded(query, key, value, real))
+
+                def step(attend):
+                    with torch.set_grad_enabled(training):
+                        context = attend()
+                        if training:
+                            context.sum().backward()
+
+                seconds, _ = common.interleave({
+                    "per-sequence": lambda: step(lambda: per_sequence(query, key, value, lengths)),
+                    "re-padded": lambda: step(lambda: re_padded(query, key, value, real)),
+                }, iterations, args.device, peak_size=64)
+                rows.append([common.model_name(name), f"{heads}x{head_dim}", f"{batch_size}x{max_length}", mode,
+                             f"{seconds['per-sequence'] * 1e3:.1f} ms", f"{seconds['re-padded'] * 1e3:.1f} ms",
+                             f"{seconds['re-padded'] / seconds['per-sequence']:.2f}"])
+    print(f"one layer's attention, lengths uniform in [max/8, max]; {iterations} interleaved rounds, medians")
+    common.print_table(rows, ["model", "heads x dim", "batch", "mode", "per-sequence", "re-padded",
+                              "re-padded / per-sequence"])
+    print(f"reproduce: {common.command_line()}")
+
+
+if __name__ == "__main__":
+    main()
