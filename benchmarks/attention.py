@@ -9,30 +9,23 @@ import random
 
 import common
 import torch
-from torch.nn import functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from encoderstack.modeling_encoderstack import Packing
 
 HEAD_SHAPES = {"minilm": (12, 32), "bert-base": (12, 64)}  # heads, head_dim
 
 
-def per_sequence(query, key, value, lengths):
-    """What `Packing.attend` does: (tokens, heads, head_dim) in and out."""
-    contexts = []
-    for q, k, v in zip(*(x.split(lengths) for x in (query, key, value))):
-        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        contexts.append(F.scaled_dot_product_attention(q, k, v).squeeze(0).transpose(0, 1))
-    return torch.cat(contexts)
+def per_sequence(packing, query, key, value):
+    """What the model runs: `Packing.attend` with transformers' SDPA function, (tokens, heads, head_dim) in and out."""
+    return packing.attend(sdpa_attention_forward, None, query, key, value, is_causal=False)
 
 
-def re_padded(query, key, value, real):
+def re_padded(packing, real, query, key, value):
     """Scatter to (batch, heads, length, head_dim), one masked SDPA call, gather the real tokens back."""
-    index = real.flatten().nonzero().squeeze(-1)
-
-    def padded(x):
-        grid = x.new_zeros(real.numel(), *x.shape[1:]).index_copy(0, index, x)
-        return grid.unflatten(0, real.shape).transpose(1, 2)
-
-    context = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), attn_mask=real[:, None, None])
-    return context.transpose(1, 2).flatten(0, 1).index_select(0, index)
+    query, key, value = (packing.unpack(x).transpose(1, 2) for x in (query, key, value))
+    context, _ = sdpa_attention_forward(None, query, key, value, real[:, None, None], is_causal=False)
+    return packing.pack(context)
 
 
 def main():
@@ -51,11 +44,13 @@ def main():
             rng = random.Random(f"{args.seed}-{batch_size}-{max_length}")
             lengths = common.lengths_for("uniform", batch_size, max_length, rng, None)
             real = (torch.arange(max_length)[None] < torch.tensor(lengths)[:, None]).to(args.device)
+            packing = Packing(real, lengths)
             for mode in ("inference", "training"):
                 training = mode == "training"
                 query, key, value = (torch.randn(sum(lengths), heads, head_dim, device=args.device,
                                                  requires_grad=training) for _ in range(3))
-                torch.testing.assert_close(per_sequence(query, key, value, lengths), re_padded(query, key, value, real))
+                torch.testing.assert_close(per_sequence(packing, query, key, value),
+                                           re_padded(packing, real, query, key, value))
 
                 def step(attend):
                     with torch.set_grad_enabled(training):
@@ -64,8 +59,8 @@ def main():
                             context.sum().backward()
 
                 seconds, _ = common.interleave({
-                    "per-sequence": lambda: step(lambda: per_sequence(query, key, value, lengths)),
-                    "re-padded": lambda: step(lambda: re_padded(query, key, value, real)),
+                    "per-sequence": lambda: step(lambda: per_sequence(packing, query, key, value)),
+                    "re-padded": lambda: step(lambda: re_padded(packing, real, query, key, value)),
                 }, iterations, args.device, peak_size=64)
                 rows.append([common.model_name(name), f"{heads}x{head_dim}", f"{batch_size}x{max_length}", mode,
                              f"{seconds['per-sequence'] * 1e3:.1f} ms", f"{seconds['re-padded'] * 1e3:.1f} ms",

@@ -8,6 +8,7 @@ variant once, in a rotating order) and reduced to medians: on a shared machine a
 import argparse
 import json
 import os
+import random
 import re
 import shlex
 import statistics
@@ -159,6 +160,17 @@ def lengths_for(workload, batch, max_length, rng, tokenizer):
         return [rng.randint(max(1, max_length // 8), max_length) for _ in range(batch)]
     texts = TEXTS + model_card_paragraphs()
     return [min(len(tokenizer(rng.choice(texts))["input_ids"]), max_length) for _ in range(batch)]
+
+
+WORKLOADS = ("full", "uniform", "text")
+
+
+def workload_batch(workload, batch_size, max_length, vocab_size, tokenizer, seed, device):
+    """The real-token lengths, the padded width and the batch of one benchmark cell (seeded by the cell)."""
+    rng = random.Random(f"{seed}-{batch_size}-{max_length}-{workload}")
+    lengths = lengths_for(workload, batch_size, max_length, rng, tokenizer)
+    width = max(lengths) if workload == "text" else max_length  # text is padded to its longest row, as a tokenizer does
+    return lengths, width, make_batch(lengths, width, vocab_size, rng, device), rng
 
 
 def make_batch(lengths, width, vocab_size, rng, device):

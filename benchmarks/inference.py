@@ -7,13 +7,11 @@ with SDPA, on full and mixed-length batches; plus achieved FLOP/s as a fraction 
 """
 
 import copy
-import random
 
 import common
 import torch
 from common import encoderstack, transformers
 
-WORKLOADS = ("full", "uniform", "text")
 VARIANTS = ("BertModel-eager", "EncoderStack padded", "EncoderStack padding-free")
 
 
@@ -45,12 +43,10 @@ def main():
         if args.compile:
             models["EncoderStack compiled"] = lambda batch, compiled=torch.compile(ours): compiled(**batch)
         for batch_size, max_length in common.parse_sizes(args.sizes):
-            for workload in WORKLOADS:
-                rng = random.Random(f"{args.seed}-{batch_size}-{max_length}-{workload}")
-                lengths = common.lengths_for(workload, batch_size, max_length, rng, tokenizer)
-                # text is padded to its longest row, as a tokenizer pads a batch
-                width = max(lengths) if workload == "text" else max_length
-                batch = common.make_batch(lengths, width, bert.config.vocab_size, rng, args.device)
+            for workload in common.WORKLOADS:
+                lengths, width, batch, _ = common.workload_batch(workload, batch_size, max_length,
+                                                                 bert.config.vocab_size, tokenizer, args.seed,
+                                                                 args.device)
                 with torch.inference_mode():
                     seconds, peak = common.interleave({name: (lambda f=f: f(batch)) for name, f in models.items()},
                                                       iterations, args.device, args.peak_size)

@@ -6,7 +6,6 @@ EncoderStack on the same weights, for masked LM and sequence classification, as 
 """
 
 import copy
-import random
 
 import common
 import torch
@@ -16,7 +15,6 @@ TASKS = {
     "mlm": (transformers.BertForMaskedLM, encoderstack.EncoderStackForMaskedLM),
     "classification": (transformers.BertForSequenceClassification, encoderstack.EncoderStackForSequenceClassification),
 }
-WORKLOADS = ("full", "uniform", "text")
 VARIANTS = ("BERT-eager", "EncoderStack padded", "EncoderStack padding-free")
 
 
@@ -69,11 +67,10 @@ def main():
             ours = common.with_backend(ours, "sdpa").to(args.device).train()
             optimizers = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-5) for m in (bert, bert_eager, ours)}
             for batch_size, max_length in common.parse_sizes(args.sizes):
-                for workload in WORKLOADS:
-                    rng = random.Random(f"{args.seed}-{batch_size}-{max_length}-{workload}")
-                    lengths = common.lengths_for(workload, batch_size, max_length, rng, tokenizer)
-                    width = max(lengths) if workload == "text" else max_length
-                    batch = common.make_batch(lengths, width, bert.config.vocab_size, rng, args.device)
+                for workload in common.WORKLOADS:
+                    lengths, width, batch, rng = common.workload_batch(workload, batch_size, max_length,
+                                                                       bert.config.vocab_size, tokenizer, args.seed,
+                                                                       args.device)
                     batch["labels"] = labels_for(task, batch, rng).to(args.device)
                     steps = {
                         "BERT-sdpa": training_step(bert, optimizers[id(bert)], batch),

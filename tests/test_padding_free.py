@@ -25,8 +25,8 @@ def packings(monkeypatch):
     built = []
 
     class CountingPacking(modeling_encoderstack.Packing):
-        def __init__(self, attention_mask):
-            super().__init__(attention_mask)
+        def __init__(self, *args):
+            super().__init__(*args)
             built.append(self)
 
     monkeypatch.setattr(modeling_encoderstack, "Packing", CountingPacking)

@@ -123,11 +123,11 @@ class Packing:
     packed tokens, and attention runs on each sequence alone, so it needs no mask and does no work on padding.
     """
 
-    def __init__(self, attention_mask: torch.Tensor):
-        real = attention_mask.bool()
+    def __init__(self, real: torch.Tensor, lengths: list[int]):
+        """`real`: the boolean (batch, seq) mask of real tokens; `lengths`: its row sums."""
         self.shape = tuple(real.shape)
         self.index = real.flatten().nonzero().squeeze(-1)
-        self.lengths = [length for length in real.sum(-1).tolist() if length]  # a row of only padding has no tokens
+        self.lengths = [length for length in lengths if length]  # a row of only padding has no tokens
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """(batch, seq, ...) -> (tokens, ...)"""
@@ -415,7 +415,8 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         if torch.compiler.is_compiling():  # packed shapes change with every batch (a recompile each): stay padded
             return None
         real = attention_mask.bool()
-        return Packing(real) if real.any() and not real.all() else None
+        lengths = real.sum(-1).tolist()  # the one host sync of the decision
+        return Packing(real, lengths) if any(lengths) and min(lengths) < real.shape[-1] else None
 
     def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds):
         """Turn the mistakes that would otherwise surface as an index error deep in a kernel into a clear message."""
@@ -494,16 +495,18 @@ class EncoderStackHead(EncoderStackPreTrainedModel):
         super().__init__(config)
         self.model = EncoderStackModel(config, add_pooling_layer=self.uses_pooler)
 
-    def encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs):
+    def encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, padding_free=None,
+               **kwargs):
         """The encoder's outputs, and the packing it ran on (None on the padded path) for the token-level heads."""
         kwargs.pop("num_items_in_batch", None)
-        packing = self.model.packing_for(attention_mask, **kwargs)
+        packing = self.model.packing_for(attention_mask, padding_free, **kwargs)
         outputs = self.model(
             input_ids,
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
+            padding_free=packing is not None,  # decided once, here: the encoder does not look at the mask again
             packing=packing,
             return_dict=True,
             **kwargs,

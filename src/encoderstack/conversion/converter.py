@@ -11,8 +11,8 @@ import re
 import shutil
 import struct
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
