@@ -11,19 +11,21 @@ import common
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from encoderstack.modeling_encoderstack import Packing
+from encoderstack.modeling_encoderstack import PackedSequences, one_sequence_at_a_time
 
 HEAD_SHAPES = {"minilm": (12, 32), "bert-base": (12, 64)}  # heads, head_dim
 
 
 def per_sequence(packing, query, key, value):
-    """What the model runs: `Packing.attend` with transformers' SDPA function, (tokens, heads, head_dim) in and out."""
-    return packing.attend(sdpa_attention_forward, None, query, key, value, is_causal=False)
+    """What the model runs on CPU: `one_sequence_at_a_time` with transformers' SDPA function, given the packing's
+    kwargs; (1, heads, tokens, head_dim) in, (1, tokens, heads, head_dim) out."""
+    attend = one_sequence_at_a_time(sdpa_attention_forward)
+    return attend(None, query, key, value, None, is_causal=False, **packing.attention_kwargs())[0]
 
 
 def re_padded(packing, real, query, key, value):
     """Scatter to (batch, heads, length, head_dim), one masked SDPA call, gather the real tokens back."""
-    query, key, value = (packing.unpack(x).transpose(1, 2) for x in (query, key, value))
+    query, key, value = (packing.unpack(x.transpose(1, 2)).transpose(1, 2) for x in (query, key, value))
     context, _ = sdpa_attention_forward(None, query, key, value, real[:, None, None], is_causal=False)
     return packing.pack(context)
 
@@ -44,10 +46,10 @@ def main():
             rng = random.Random(f"{args.seed}-{batch_size}-{max_length}")
             lengths = common.lengths_for("uniform", batch_size, max_length, rng, None)
             real = (torch.arange(max_length)[None] < torch.tensor(lengths)[:, None]).to(args.device)
-            packing = Packing(real, lengths)
+            packing = PackedSequences.from_attention_mask(real, lengths)
             for mode in ("inference", "training"):
                 training = mode == "training"
-                query, key, value = (torch.randn(sum(lengths), heads, head_dim, device=args.device,
+                query, key, value = (torch.randn(1, heads, sum(lengths), head_dim, device=args.device,
                                                  requires_grad=training) for _ in range(3))
                 torch.testing.assert_close(per_sequence(packing, query, key, value),
                                            re_padded(packing, real, query, key, value))

@@ -115,6 +115,8 @@ def common_arguments(description, sizes, models):
     parser.add_argument("--iterations", type=int, default=None, help="timed rounds per cell (median reported)")
     parser.add_argument("--quick", action="store_true", help="minilm only, first size, 3 rounds")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="of the weights and activations (default float32); cuda's varlen kernels need 16 bits")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: elapsed time (default); cpu: CPU time of this process, which leaves out the time "
@@ -200,14 +202,26 @@ def synchronize(device):
 
 
 CLOCK = time.perf_counter
+DTYPE = torch.float32
 
 
 def setup(args):
-    """Applies --threads and --clock."""
-    global CLOCK
+    """Applies --threads, --clock and --dtype (`place` then puts a model on the device in that dtype)."""
+    global CLOCK, DTYPE
     if args.threads:
         torch.set_num_threads(args.threads)
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    DTYPE = getattr(torch, args.dtype)
+
+
+def place(model, device):
+    return model.to(device=device, dtype=DTYPE)
+
+
+def flash_attention_backends(device):
+    """transformers' flash_attention_2, where it is installed and the device can run it (never on CPU)."""
+    available = device.startswith("cuda") and transformers.utils.is_flash_attn_2_available() and DTYPE != torch.float32
+    return ["flash_attention_2"] if available else []
 
 
 def timed(fn, device):
@@ -219,8 +233,8 @@ def timed(fn, device):
 
 
 def matmul_peak_step(device, size):
-    """One timed float32 matmul of two size x size matrices: its FLOP/s."""
-    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    """One timed matmul of two size x size matrices in the benchmark's dtype: its FLOP/s."""
+    a, b = (torch.randn(size, size, device=device, dtype=DTYPE) for _ in range(2))
     a @ b
     return 2 * size**3 / min(timed(lambda: a @ b, device) for _ in range(2))
 
@@ -243,7 +257,7 @@ def header(title, device):
     where = f"{torch.get_num_threads()} threads" if device == "cpu" else torch.cuda.get_device_name()
     clock = "CPU time" if CLOCK is time.process_time else "wall clock"
     malloc = " ".join(f"{name}={value}" for name, value in sorted(os.environ.items()) if name.startswith("MALLOC_"))
-    print(f"{title}: float32, {device} ({where}, {os.cpu_count()} cores), {clock}, torch {torch.__version__}, "
+    print(f"{title}: {str(DTYPE).removeprefix('torch.')}, {device} ({where}, {os.cpu_count()} cores), {clock}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}" + (f", {malloc}" if malloc else ""))
 
 

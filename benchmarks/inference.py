@@ -20,26 +20,32 @@ def main():
     parser.add_argument("--peak-size", type=int, default=4096, help="side of the square matmul that measures peak")
     parser.add_argument("--compile", action="store_true", help="add EncoderStack under torch.compile")
     args = parser.parse_args()
-    variants = VARIANTS + (("EncoderStack compiled",) if args.compile else ())
     if args.quick:
         args.models, args.sizes = "minilm", args.sizes.split(",")[0]
     iterations = args.iterations or (3 if args.quick else 5)
     common.setup(args)
+    flash = common.flash_attention_backends(args.device)
+    variants = VARIANTS + (("EncoderStack compiled",) if args.compile else ()) + tuple(
+        name for backend in flash for name in (f"BertModel-{backend}", f"EncoderStack {backend}"))
     common.header("inference", args.device)
     tokenizer = common.tokenizer()
     rows, peaks = [], []
     for spec in common.parse_models(args.models):
         with common.scratch_folder() as folder:
             bert, ours = common.load_pair(spec, transformers.BertModel, encoderstack.EncoderStackModel, folder)
-        bert = common.with_backend(bert, "sdpa").to(args.device)
+        bert = common.place(common.with_backend(bert, "sdpa"), args.device)
         bert_eager = common.with_backend(copy.deepcopy(bert), "eager")
-        ours = common.with_backend(ours, "sdpa").to(args.device)
+        ours = common.place(common.with_backend(ours, "sdpa"), args.device)
         models = {
             "BertModel-sdpa": lambda batch: bert(**batch),
             "BertModel-eager": lambda batch: bert_eager(**batch),
             "EncoderStack padded": lambda batch: ours(**batch, padding_free=False),
             "EncoderStack padding-free": lambda batch: ours(**batch),
         }
+        for backend in flash:
+            models[f"BertModel-{backend}"] = lambda batch, m=common.with_backend(copy.deepcopy(bert), backend): m(**batch)
+            models[f"EncoderStack {backend}"] = (lambda batch, m=common.with_backend(copy.deepcopy(ours), backend):
+                                                 m(**batch))
         if args.compile:
             models["EncoderStack compiled"] = lambda batch, compiled=torch.compile(ours): compiled(**batch)
         for batch_size, max_length in common.parse_sizes(args.sizes):

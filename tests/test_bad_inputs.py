@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import batch, build
 
+import encoderstack
 from encoderstack import EncoderStackForSequenceClassification, EncoderStackModel
 
 
@@ -65,3 +66,48 @@ def test_heads_report_bad_inputs_the_same_way():
     head = build(EncoderStackForSequenceClassification)
     with pytest.raises(ValueError, match="`input_ids` must lie in"):
         head(torch.tensor([[1, 500]]))
+
+
+WRONG_LABELS = [
+    (encoderstack.EncoderStackForMaskedLM, {"labels": (3, 11)}, r"`labels` has shape \(3, 11\), but the inputs need shape \(3, 9\)"),
+    (encoderstack.EncoderStackForTokenClassification, {"labels": (3, 8)}, r"`labels` has shape \(3, 8\), but the inputs"),
+    (encoderstack.EncoderStackForPreTraining, {"labels": (2, 9), "next_sentence_label": (3,)}, r"`labels` has shape \(2, 9\)"),
+    (encoderstack.EncoderStackForPreTraining, {"labels": (3, 9), "next_sentence_label": (4,)},
+     r"`next_sentence_label` has shape \(4,\), but the sequences need shape \(3,\)"),
+    (EncoderStackForSequenceClassification, {"labels": (4,)}, r"`labels` has shape \(4,\), but the sequences need shape \(3,\)"),
+    (encoderstack.EncoderStackForQuestionAnswering, {"start_positions": (2,), "end_positions": (2,)},
+     r"`start_positions/end_positions` has shape \(2,\), but the sequences need shape \(3,\)"),
+]
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+@pytest.mark.parametrize(("model_class", "shapes", "message"), WRONG_LABELS,
+                         ids=lambda value: value.__name__ if isinstance(value, type) else None)
+def test_labels_of_another_shape_than_the_inputs_are_refused_on_both_paths(model_class, shapes, message, padding_free):
+    model = build(model_class)
+    labels = {name: torch.zeros(shape, dtype=torch.long) for name, shape in shapes.items()}
+    with pytest.raises(ValueError, match=message):
+        model(**batch(), **labels, padding_free=padding_free)
+
+
+def test_multiple_choice_labels_of_another_shape_are_refused():
+    model = build(encoderstack.EncoderStackForMultipleChoice)
+    inputs = {key: value.unsqueeze(1).repeat(1, 2, 1) for key, value in batch().items()}
+    with pytest.raises(ValueError, match=r"`labels` has shape \(2,\), but the questions need shape \(3,\)"):
+        model(**inputs, labels=torch.zeros(2, dtype=torch.long))
+
+
+def test_class_labels_outside_the_classes_are_refused():
+    model = build(EncoderStackForSequenceClassification)
+    with pytest.raises(ValueError, match=r"Class labels must lie in \[0, 2\]"):
+        model(**batch(), labels=torch.tensor([0, 3, 1]))
+
+
+def test_float_ids_are_refused_with_their_dtype(model):
+    with pytest.raises(TypeError, match="`input_ids` must hold integer ids, got torch.float32"):
+        model(torch.ones(1, 3))
+
+
+def test_an_attention_mask_with_values_other_than_0_and_1_is_refused(model):
+    with pytest.raises(ValueError, match=r"must hold 1 for real tokens and 0 for padding, got values \[0, 1, 2\]"):
+        model(torch.ones(1, 3, dtype=torch.long), attention_mask=torch.tensor([[1, 2, 0]]))

@@ -23,6 +23,11 @@ def rows(model_class, **config):
         labels = {"labels": torch.linspace(-1, 1, 8)}
     if config.get("problem_type") == "multi_label_classification":
         labels = {"labels": (torch.arange(24).view(8, 3) % 2).float()}
+    if model_class is encoderstack.EncoderStackForQuestionAnswering:
+        # Spans inside each sequence, as real data has them: a target at padding is ignored (it never enters the
+        # loss), and a per-batch mean over unequal counts of ignored targets is not what this test is about.
+        last = torch.tensor(LENGTHS) - 1
+        labels = {key: value.minimum(last) for key, value in labels.items()}
     if model_class is encoderstack.EncoderStackForPreTraining:
         # This head averages per micro-batch (see its docstring), exact when micro-batches hold as many
         # masked tokens as each other: keep 2 per sequence.

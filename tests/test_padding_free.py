@@ -21,15 +21,15 @@ VARIANTS = [
 
 @pytest.fixture
 def packings(monkeypatch):
-    """Every Packing built during the test (the model finds the class by its module-level name)."""
+    """Every PackedSequences built during the test (the model finds the class by its module-level name)."""
     built = []
 
-    class CountingPacking(modeling_encoderstack.Packing):
-        def __init__(self, *args):
-            super().__init__(*args)
+    class CountingPacking(modeling_encoderstack.PackedSequences):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
             built.append(self)
 
-    monkeypatch.setattr(modeling_encoderstack, "Packing", CountingPacking)
+    monkeypatch.setattr(modeling_encoderstack, "PackedSequences", CountingPacking)
     return built
 
 
@@ -41,9 +41,8 @@ def outputs_on_real_tokens(outputs, mask):
 
 
 def objective(model_class, outputs, mask):
-    """The head's own loss, except question answering: like BERT's, its softmax runs over every position, padding
-    included, where the two paths differ by design (zeros or BERT's values). There, a loss on the real tokens."""
-    if model_class is encoderstack.EncoderStackForQuestionAnswering or outputs.get("loss") is None:
+    """The head's own loss (the same on both paths: padded positions never enter it), else one on the real tokens."""
+    if outputs.get("loss") is None:
         return sum(value.pow(2).mean() for value in outputs_on_real_tokens(outputs, mask).values())
     return outputs.loss
 
@@ -121,12 +120,14 @@ def test_flex_attention_runs_padding_free_with_the_same_outputs():
 
 @pytest.mark.parametrize("model_class", TOKEN_LEVEL + (EncoderStackModel,), ids=lambda c: c.__name__)
 def test_padded_positions_of_every_per_token_output_are_exactly_zero(model_class):
+    """Except the span logits, which are masked to the dtype's minimum on every path (a span never starts there)."""
     model = build(model_class)
     inputs = batch()
     with torch.no_grad():
         out = first_output(model(**inputs))
     padding = inputs["attention_mask"] == 0
-    assert torch.equal(out[padding], torch.zeros_like(out[padding]))
+    expected = torch.finfo(out.dtype).min if model_class is encoderstack.EncoderStackForQuestionAnswering else 0.0
+    assert torch.equal(out[padding], torch.full_like(out[padding], expected))
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
