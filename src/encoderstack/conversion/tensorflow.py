@@ -101,6 +101,8 @@ def check_vocab(vocab: Path, vocab_size) -> None:
         tokens = vocab.read_text(encoding="utf-8").removesuffix("\n").split("\n")
     except UnicodeDecodeError as error:
         raise ConversionError(f"{vocab}: not UTF-8 text (byte {error.start}); expected one token a line") from None
+    if tokens == [""]:
+        raise ConversionError(f"{vocab}: empty; a BERT vocabulary lists one token a line")
     missing = [token for token in SPECIAL_TOKENS if token not in set(tokens)]
     if missing:
         raise ConversionError(f"{vocab}: not a BERT vocabulary ({len(tokens)} lines, no {' '.join(missing)})")
