@@ -291,3 +291,17 @@ def test_an_unknown_architecture_names_the_config_file(source, tmp_path):
     set_config(source, architectures=["BertLMHeadModel"])
     assert_refused(source, tmp_path / "out",
                    rf"\A{re.escape(str(source / 'config.json'))}: architecture 'BertLMHeadModel' cannot be converted")
+
+
+def test_a_tokenizer_with_ids_beyond_the_embeddings_is_refused(source, tmp_path):
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(150)] + "the quick".split()
+    (tmp_path / "vocab.txt").write_text("\n".join(tokens))
+    transformers.BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(source)
+    assert_refused(source, tmp_path / "out", r"bert: the tokenizer gives token id 156, but vocab_size is 99")
+
+
+def test_a_trained_decoder_that_config_json_says_is_tied_is_refused(tmp_path):
+    source = bert_folder(tmp_path / "bert", "ForMaskedLM", tie_word_embeddings=False)
+    set_config(source, tie_word_embeddings=True)
+    assert_refused(source, tmp_path / "out", r"model.safetensors: tensor 'cls.predictions.decoder.weight' differs from "
+                   r"'bert.embeddings.word_embeddings.weight', but .*bert/config.json says tie_word_embeddings=true")

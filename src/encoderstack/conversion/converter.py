@@ -227,6 +227,15 @@ def expected_tensors(config: EncoderStackConfig, task: Task) -> dict:
     return {key: tuple(value.shape) for key, value in model.state_dict().items() if key not in tied}
 
 
+def refuse_untied_decoder(source: Source, decoder: str) -> None:
+    """Tying would drop a trained decoder that differs from the embeddings (transformers does so silently)."""
+    embeddings = next((key for key, (name, _) in source.bert_names.items()
+                       if name == "embeddings.word_embeddings.weight"), None)
+    if embeddings is not None and not torch.equal(source.tensors.get(decoder), source.tensors.get(embeddings)):
+        raise ConversionError(f"{source.tensors.file_of(decoder)}: tensor {decoder!r} differs from {embeddings!r}, "
+                              f"but {source.config_path} says tie_word_embeddings=true")
+
+
 def plan(source: Source, task_name: str | None = None) -> Plan:
     """Decide, for every source tensor, where it goes or why it is skipped; refuse anything else."""
     family, detected = detect_task(source)
@@ -244,6 +253,7 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
                                          and "cls.predictions.bias" not in names):
             skipped[key] = SKIPPED_KEYS[name]
         elif target == "lm_head.decoder.weight" and config.tie_word_embeddings:
+            refuse_untied_decoder(source, key)
             skipped[key] = "tied to the word embeddings (tie_word_embeddings=true)"
         elif target is None:
             owner = next((other_heads[pair] for pair in other_heads if translate(name, [pair])), None)

@@ -24,7 +24,7 @@ OUTPUTS = ("last_hidden_state", "pooler_output", "logits", "prediction_logits", 
            "start_logits", "end_logits")
 
 
-def sample_batches(folder, config, multiple_choice: bool) -> list[dict]:
+def sample_batches(folder, config, multiple_choice: bool, source=None) -> list[dict]:
     """The tokenizer's encoding of single sentences and of pairs, padded; random ids without a tokenizer."""
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
@@ -33,6 +33,10 @@ def sample_batches(folder, config, multiple_choice: bool) -> list[dict]:
     if tokenizer is not None:
         batches = [dict(tokenizer(SENTENCES, padding=True, return_tensors="pt")),
                    dict(tokenizer([a for a, _ in PAIRS], [b for _, b in PAIRS], padding=True, return_tensors="pt"))]
+        largest = max(batch["input_ids"].max().item() for batch in batches)
+        if largest >= config.vocab_size:  # the reference would fail with an IndexError; ours with a ValueError
+            raise ConversionError(f"{source or folder}: the tokenizer gives token id {largest}, but vocab_size is "
+                                  f"{config.vocab_size}: its vocabulary does not belong to these weights")
     else:
         generator = torch.Generator().manual_seed(0)
         lengths = torch.tensor([12, 5, 9, 1])
@@ -94,7 +98,7 @@ def verify_folder(reference_folder, conversion, folder) -> dict:
     prefix = FAMILIES[conversion.family][0]
     reference_class = getattr(transformers, prefix + conversion.task.bert_suffix)
     ours_class = getattr(modeling_encoderstack, conversion.task.encoderstack_class)
-    batches = sample_batches(folder, conversion.config, conversion.task.name == "multiple-choice")
+    batches = sample_batches(folder, conversion.config, conversion.task.name == "multiple-choice", reference_folder)
     skip = set()
     if any(key.endswith("pooler.dense.weight") for key in conversion.initialized):
         skip |= {"pooler_output"}
