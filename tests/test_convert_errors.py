@@ -210,7 +210,7 @@ def test_a_classifier_with_zero_labels_is_refused(tmp_path):
     set_config(source, id2label={}, label2id={}, num_labels=0)
     set_tensor(source, "classifier.weight", torch.zeros(0, 32))
     set_tensor(source, "classifier.bias", torch.zeros(0))
-    assert_refused(source, tmp_path / "out", r"bert/config.json: num_labels is 0; a classifier needs one or more")
+    assert_refused(source, tmp_path / "out", r"bert/config.json: num_labels is 0; a classifier needs 1 or more")
 
 
 @pytest.mark.parametrize("name", ["./does-not-exist", "../bert", "-bad-", "x" * 200])
@@ -275,8 +275,8 @@ def test_a_hostile_pickle_is_refused_naming_the_global_and_never_advising_weight
     with pytest.raises(ConversionError) as refused:
         encoderstack.convert(source, tmp_path / "out")
     message = str(refused.value)
-    assert re.search(r"pytorch_model.bin: not a readable PyTorch checkpoint \(refused by torch.load\(weights_only=True\)"
-                     r": .*GLOBAL (posix|os|nt)\.system", message), message
+    assert re.search(r"pytorch_model.bin: not a readable PyTorch checkpoint \(refused by "
+                     r"torch.load\(weights_only=True\): .*GLOBAL (posix|os|nt)\.system", message), message
     assert "weights_only=False" not in message and "`weights_only` set to `False`" not in message
     assert "\n" not in message
 

@@ -178,7 +178,8 @@ def refused_copy(tmp_path, match):
 
 def overwrite_variable(prefix, name, values):
     """Replace a variable's bytes in the data shard, with a checksum that matches them."""
-    entry = next(tf_checkpoint._parse_entry(value, name) for key, value in index_entries(prefix) if key == name.encode())
+    entry = next(tf_checkpoint._parse_entry(value, name)
+                 for key, value in index_entries(prefix) if key == name.encode())
     raw = np.ascontiguousarray(values, dtype=np.float32).tobytes()
     assert len(raw) == entry.size
     shard = prefix.parent / SHARD

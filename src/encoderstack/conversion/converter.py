@@ -102,9 +102,18 @@ def symlink_problem(link: Path) -> str | None:
     return None
 
 
-def looks_like_a_path(name: str) -> bool:
-    """A name that a Hub id cannot be: it starts like a path, or has more than the one `namespace/name` slash."""
-    return name.startswith((".", "/", "~", os.sep)) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+def could_be_a_hub_id(name: str) -> bool:
+    """Not path-like (a leading `.`, `/` or `~`, more than one slash) and valid by the Hub's own rules."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if name.startswith((".", "/", "~", os.sep)) or name.count("/") > 1 or (os.sep != "/" and os.sep in name):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def resolve_folder(name_or_path) -> Path:
@@ -113,17 +122,11 @@ def resolve_folder(name_or_path) -> Path:
     if hub_id(name_or_path) is None:
         return path
     if path.is_symlink():
-        raise ConversionError(f"{path}: {symlink_problem(path) or 'a symlink that leads nowhere'}")
-    from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        if looks_like_a_path(name):
-            raise HFValidationError(name)
-        validate_repo_id(name)
-    except HFValidationError:
-        raise ConversionError(f"{name}: no such folder") from None
+        raise ConversionError(f"{path}: {symlink_problem(path)}")
+    if not could_be_a_hub_id(name):
+        raise ConversionError(f"{name}: no such folder")
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
         return Path(snapshot_download(name))
@@ -191,26 +194,29 @@ def encoderstack_config(source: Source, family: str, task: Task) -> EncoderStack
     except Exception as error:  # the config's own validation says what is wrong
         raise ConversionError(f"{source.config_path}: config cannot describe an EncoderStack: {error}") from None
     if task.name in ("sequence-classification", "token-classification") and result.num_labels < 1:
-        raise ConversionError(f"{source.config_path}: num_labels is {result.num_labels}; a classifier needs one or more")
+        raise ConversionError(f"{source.config_path}: num_labels is {result.num_labels}; a classifier needs 1 or more")
     return result
 
 
 def detect_task(source: Source) -> tuple[str, Task]:
     family_name = source.config.get("model_type")
     if family_name not in FAMILIES:
-        raise ConversionError(
-            f"{source.folder}: model_type {family_name!r} is not a BERT checkpoint (supported: {', '.join(FAMILIES)})"
-        )
+        raise ConversionError(f"{source.config_path}: model_type {family_name!r} is not a BERT checkpoint "
+                              f"(supported: {', '.join(FAMILIES)})")
     architectures = source.config.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+        raise ConversionError(f"{source.config_path}: architectures must be a list of class names, "
+                              f"got {architectures!r}")
     if len(architectures) > 1:
-        raise ConversionError(f"{source.folder}: several architectures {architectures}; choose one with --task")
+        raise ConversionError(f"{source.config_path}: several architectures {architectures}; choose one with --task")
     if architectures:
         try:
             family, task = task_for_architecture(architectures[0])
         except ConversionError as error:
             raise ConversionError(f"{source.config_path}: {error}") from None
         if family != family_name:
-            raise ConversionError(f"{source.folder}: architecture {architectures[0]} with model_type {family_name!r}")
+            raise ConversionError(
+                f"{source.config_path}: architecture {architectures[0]} with model_type {family_name!r}")
         return family, task
     names = {bert for bert, _ in source.bert_names.values()}
     has = lambda prefix: any(name.startswith(prefix) for name in names)  # noqa: E731

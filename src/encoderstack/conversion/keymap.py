@@ -128,4 +128,5 @@ def task_for_encoderstack_class(class_name: str) -> Task:
         if task.encoderstack_class == class_name and task.name != "next-sentence":
             return task
     known = sorted({task.encoderstack_class for task in TASKS.values()})
-    raise ConversionError(f"architecture {class_name!r} is not an EncoderStack class; expected one of {', '.join(known)}")
+    raise ConversionError(f"architecture {class_name!r} is not an EncoderStack class; expected one of "
+                          f"{', '.join(known)}")
