@@ -4,6 +4,7 @@ The fixtures under tests/fixtures/tf were written by real TensorFlow (tests/fixt
 reference outputs computed there by the original BERT math (tanh gelu, eps 1e-12, -10000 attention mask)."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from test_tf_checkpoint_reader import PREFIX, SHARD, index_entries, masked_crc, rewrite_entry
+
 import encoderstack
+from encoderstack.conversion import tf_checkpoint
 from encoderstack.conversion.tf_checkpoint import TFCheckpointError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tf"
@@ -163,3 +167,58 @@ def test_the_command_line_reports_a_damaged_checkpoint_in_one_line(damage, messa
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("encoderstack: error: ")
     assert message in result.stderr and "Traceback" not in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bert"]
+
+
+def refused_copy(tmp_path, match):
+    """Convert a patched copy (in tmp_path/bert) and expect a ConversionError; nothing may be written."""
+    with pytest.raises(encoderstack.ConversionError, match=match):
+        encoderstack.convert(tmp_path / "bert", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bert"]
+
+
+def overwrite_variable(prefix, name, values):
+    """Replace a variable's bytes in the data shard, with a checksum that matches them."""
+    entry = next(tf_checkpoint._parse_entry(value, name)
+                 for key, value in index_entries(prefix) if key == name.encode())
+    raw = np.ascontiguousarray(values, dtype=np.float32).tobytes()
+    assert len(raw) == entry.size
+    shard = prefix.parent / SHARD
+    data = bytearray(shard.read_bytes())
+    data[entry.offset : entry.offset + entry.size] = raw
+    shard.write_bytes(bytes(data))
+    rewrite_entry(prefix, name, masked_crc32c=masked_crc(raw))
+
+
+@pytest.mark.parametrize("dtype_code, dtype", [(3, "torch.int32"), (10, "torch.bool")])
+def test_a_variable_stored_as_an_integer_is_refused_naming_variable_and_dtype(dtype_code, dtype, tmp_path):
+    prefix = shutil.copytree(FIXTURES / "pretraining", tmp_path / "bert") / PREFIX
+    rewrite_entry(prefix, "bert/pooler/dense/bias", dtype=dtype_code)
+    refused_copy(tmp_path, rf"bert_model.ckpt.index: tensor 'bert/pooler/dense/bias' is stored as "
+                 rf"{dtype}; a BERT weight is floating point")
+
+
+@pytest.mark.parametrize("dims", [(), (0, 32), (3,)])
+def test_a_classifier_whose_output_weights_have_no_labels_or_the_wrong_rank_is_refused(dims, tmp_path):
+    prefix = shutil.copytree(FIXTURES / "classifier", tmp_path / "bert") / PREFIX
+    rewrite_entry(prefix, "output_weights", dims=dims)
+    refused_copy(tmp_path, rf"bert_model.ckpt.index: variable 'output_weights' has shape "
+                 rf"{re.escape(str(list(dims)))}; a classifier's is \[num_labels >= 1, hidden_size\]")
+
+
+def test_a_nan_weight_is_refused_by_name(tmp_path):
+    prefix = shutil.copytree(FIXTURES / "pretraining", tmp_path / "bert") / PREFIX
+    overwrite_variable(prefix, "bert/pooler/dense/bias", np.full(32, np.nan))
+    refused_copy(tmp_path, r"bert_model.ckpt.index: tensor 'bert/pooler/dense/bias' holds NaN")
+
+
+@pytest.mark.parametrize("vocab, message", [
+    (b"", r"empty; a BERT vocabulary lists one token a line"),
+    (bytes(range(256)) * 4, r"not UTF-8 text \(byte 128\)"),
+    (b"\0\1\2\n" * 10, r"not a BERT vocabulary \(10 lines, no \[PAD\]"),
+    ("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(80)]).encode(),
+     r"85 tokens, more than the checkpoint's vocab_size 80"),
+], ids=["empty", "binary", "control-characters", "larger-than-the-embeddings"])
+def test_a_vocab_txt_that_no_bert_tokenizer_could_use_is_refused(vocab, message, tmp_path):
+    source = shutil.copytree(FIXTURES / "pretraining", tmp_path / "bert")
+    (source / "vocab.txt").write_bytes(vocab)
+    refused_copy(tmp_path, r"bert/vocab.txt: " + message)

@@ -4,8 +4,10 @@ Nothing is written where the user can see it until the whole folder is complete 
 in a hidden sibling folder and renamed into place at the end.
 """
 
+import errno
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -37,7 +39,7 @@ from .keymap import (
     task_for_encoderstack_class,
     translate,
 )
-from .sources import SAFETENSORS_DTYPES, WEIGHT_FILE_NAMES, TensorSource, open_hf_weights
+from .sources import SAFETENSORS_DTYPES, WEIGHT_FILE_NAMES, TensorSource, has_hf_weights, open_hf_weights
 
 TOLERANCE = 1e-5
 
@@ -56,6 +58,11 @@ class Source:
     notes: dict = field(default_factory=dict)  # choices made for this source, recorded in conversion.json
     write_extras: Callable[[Path], None] | None = None  # e.g. a tokenizer built from a TF release's vocab.txt
     reference: str = "source"  # verify against the source folder, or against a BERT "exported" from our result
+    config_file: str = "config.json"
+
+    @property
+    def config_path(self) -> Path:
+        return self.folder / self.config_file
 
 
 @dataclass
@@ -84,19 +91,61 @@ def hub_id(name_or_path) -> str | None:
     return None if local else str(name_or_path)
 
 
+def symlink_problem(link: Path) -> str | None:
+    """What keeps a symlink from being followed (a loop, a missing target); None if nothing does."""
+    try:
+        link.resolve(strict=True)
+    except RuntimeError:  # Python < 3.13 reports a loop this way
+        return "a symlink loop"
+    except OSError as error:
+        return "a symlink loop" if error.errno == errno.ELOOP else f"a broken symlink (to {os.readlink(link)})"
+    return None
+
+
+def could_be_a_hub_id(name: str) -> bool:
+    """Not path-like (a leading `.`, `/` or `~`, more than one slash) and valid by the Hub's own rules."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if name.startswith((".", "/", "~", os.sep)) or name.count("/") > 1 or (os.sep != "/" and os.sep in name):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 def resolve_folder(name_or_path) -> Path:
     """A local path as is; anything else is taken as a Hub id and resolved through the normal cache."""
+    path, name = Path(name_or_path), str(name_or_path)
     if hub_id(name_or_path) is None:
-        return Path(name_or_path)
-    if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(name_or_path)):
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+        return path
+    if path.is_symlink():
+        raise ConversionError(f"{path}: {symlink_problem(path)}")
+    if not could_be_a_hub_id(name):
+        raise ConversionError(f"{name}: no such folder")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-        try:
-            return Path(snapshot_download(str(name_or_path)))
-        except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
-            raise ConversionError(f"{name_or_path}: no such folder, and not resolvable on the Hub ({error})") from None
-    raise ConversionError(f"{name_or_path}: no such folder")
+    try:
+        return Path(snapshot_download(name))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
+        raise ConversionError(f"{name}: no such folder, and not resolvable on the Hub ({error})") from None
+
+
+def refuse_symlink_loops(folder: Path) -> None:
+    """Copying the folder's other files would follow a link loop until the OS gives up: refuse it up front."""
+    for root, dirs, files in os.walk(folder):  # links to folders are listed in `dirs` but not entered
+        for name in dirs + files:
+            link = Path(root) / name
+            if not link.is_symlink():
+                continue
+            if symlink_problem(link) == "a symlink loop":
+                raise ConversionError(f"{link}: a symlink loop")
+            target = link.resolve()
+            if target.is_dir() and (target == link.parent.resolve() or target in link.parent.resolve().parents):
+                raise ConversionError(f"{link}: a symlink loop (links to its own folder {target})")
 
 
 def open_source(name_or_path, gelu: str = "tanh", lowercase: bool | None = None) -> Source:
@@ -104,7 +153,9 @@ def open_source(name_or_path, gelu: str = "tanh", lowercase: bool | None = None)
     from .tensorflow import open_tf_source
 
     folder = resolve_folder(name_or_path)
-    tf_source = open_tf_source(folder, gelu=gelu, lowercase=lowercase)
+    # A Hugging Face folder is one, whatever stray `*.index` file it also holds.
+    hf_folder = folder.is_dir() and (folder / "config.json").is_file() and has_hf_weights(folder)
+    tf_source = None if hf_folder else open_tf_source(folder, gelu=gelu, lowercase=lowercase)
     if tf_source is not None:
         return tf_source
     if not folder.is_dir():
@@ -113,6 +164,7 @@ def open_source(name_or_path, gelu: str = "tanh", lowercase: bool | None = None)
     tensors = open_hf_weights(folder)
     if tensors is None:
         raise ConversionError(f"{folder}: no weights found (looked for {', '.join(WEIGHT_FILE_NAMES)})")
+    refuse_symlink_loops(folder)
     return Source(folder, config, tensors, {key: (bert_name(key), False) for key in tensors.keys()},
                   own_files=WEIGHT_FILE_NAMES + ("config.json",))
 
@@ -127,6 +179,9 @@ def encoderstack_config(source: Source, family: str, task: Task) -> EncoderStack
             "(EncoderStack converts absolute learned positions)"
         )
     fields = {name: config[name] for name in BERT_FIELDS if name in config}
+    for name, value in fields.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConversionError(f"{source.config_path}: {name} is {value}; it must be a finite number")
     fields.update(FAMILIES[family][1])
     if task.name == "next-sentence":
         fields.update(num_labels=2, id2label=None, label2id=None)
@@ -135,24 +190,33 @@ def encoderstack_config(source: Source, family: str, task: Task) -> EncoderStack
     if config.get("dtype", config.get("torch_dtype")) is not None:
         fields["dtype"] = config.get("dtype", config.get("torch_dtype"))
     try:
-        return EncoderStackConfig(**fields)
+        result = EncoderStackConfig(**fields)
     except Exception as error:  # the config's own validation says what is wrong
-        raise ConversionError(f"{source.folder}: config cannot describe an EncoderStack: {error}") from None
+        raise ConversionError(f"{source.config_path}: config cannot describe an EncoderStack: {error}") from None
+    if task.name in ("sequence-classification", "token-classification") and result.num_labels < 1:
+        raise ConversionError(f"{source.config_path}: num_labels is {result.num_labels}; a classifier needs 1 or more")
+    return result
 
 
 def detect_task(source: Source) -> tuple[str, Task]:
     family_name = source.config.get("model_type")
     if family_name not in FAMILIES:
-        raise ConversionError(
-            f"{source.folder}: model_type {family_name!r} is not a BERT checkpoint (supported: {', '.join(FAMILIES)})"
-        )
+        raise ConversionError(f"{source.config_path}: model_type {family_name!r} is not a BERT checkpoint "
+                              f"(supported: {', '.join(FAMILIES)})")
     architectures = source.config.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+        raise ConversionError(f"{source.config_path}: architectures must be a list of class names, "
+                              f"got {architectures!r}")
     if len(architectures) > 1:
-        raise ConversionError(f"{source.folder}: several architectures {architectures}; choose one with --task")
+        raise ConversionError(f"{source.config_path}: several architectures {architectures}; choose one with --task")
     if architectures:
-        family, task = task_for_architecture(architectures[0])
+        try:
+            family, task = task_for_architecture(architectures[0])
+        except ConversionError as error:
+            raise ConversionError(f"{source.config_path}: {error}") from None
         if family != family_name:
-            raise ConversionError(f"{source.folder}: architecture {architectures[0]} with model_type {family_name!r}")
+            raise ConversionError(
+                f"{source.config_path}: architecture {architectures[0]} with model_type {family_name!r}")
         return family, task
     names = {bert for bert, _ in source.bert_names.values()}
     has = lambda prefix: any(name.startswith(prefix) for name in names)  # noqa: E731
@@ -167,6 +231,15 @@ def expected_tensors(config: EncoderStackConfig, task: Task) -> dict:
         model = getattr(modeling_encoderstack, task.encoderstack_class)(config)
     tied = set(model._tied_weights_keys or {}) if config.tie_word_embeddings else set()
     return {key: tuple(value.shape) for key, value in model.state_dict().items() if key not in tied}
+
+
+def refuse_untied_decoder(source: Source, decoder: str) -> None:
+    """Tying would drop a trained decoder that differs from the embeddings (transformers does so silently)."""
+    embeddings = next((key for key, (name, _) in source.bert_names.items()
+                       if name == "embeddings.word_embeddings.weight"), None)
+    if embeddings is not None and not torch.equal(source.tensors.get(decoder), source.tensors.get(embeddings)):
+        raise ConversionError(f"{source.tensors.file_of(decoder)}: tensor {decoder!r} differs from {embeddings!r}, "
+                              f"but {source.config_path} says tie_word_embeddings=true")
 
 
 def plan(source: Source, task_name: str | None = None) -> Plan:
@@ -186,6 +259,7 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
                                          and "cls.predictions.bias" not in names):
             skipped[key] = SKIPPED_KEYS[name]
         elif target == "lm_head.decoder.weight" and config.tie_word_embeddings:
+            refuse_untied_decoder(source, key)
             skipped[key] = "tied to the word embeddings (tie_word_embeddings=true)"
         elif target is None:
             owner = next((other_heads[pair] for pair in other_heads if translate(name, [pair])), None)
@@ -202,8 +276,14 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
         elif target in mapped:
             raise ConversionError(f"{source.folder}: tensors {mapped[target][0]!r} and {key!r} both map to {target!r}")
         else:
-            shape = source.tensors.shape(key)
+            shape, dtype = source.tensors.shape(key), source.tensors.dtype(key)
             shape = shape[::-1] if transpose else shape
+            if not dtype.is_floating_point:
+                raise ConversionError(f"{source.tensors.file_of(key)}: tensor {key!r} is stored as {dtype}; "
+                                      "a BERT weight is floating point")
+            if 0 in shape:
+                raise ConversionError(f"{source.tensors.file_of(key)}: tensor {key!r} has shape {list(shape)}; "
+                                      "no BERT has an empty weight")
             if shape != expected[target]:
                 raise ConversionError(
                     f"{source.folder}: tensor {key!r} has shape {list(shape)}, but {target!r} needs "
@@ -240,6 +320,8 @@ def write_safetensors(path: Path, source: TensorSource, mapped: dict) -> None:
         for target in tqdm(order, desc="Writing tensors", unit="tensor", disable=None, leave=False):
             key, transpose = mapped[target]
             tensor = source.get(key)
+            if not torch.isfinite(tensor).all():  # outputs would be NaN (or 0 where a mask hides them)
+                raise ConversionError(f"{source.file_of(key)}: tensor {key!r} holds NaN or infinite values")
             tensor = (tensor.T if transpose else tensor).contiguous()
             if tensor.numel():
                 out.write(tensor.reshape(-1).view(torch.uint8).numpy())  # the tensor's own buffer, no copy
@@ -364,7 +446,13 @@ def check_parity(source: Source, conversion: Plan, folder: Path) -> dict:
 def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
     """A post-LN EncoderStack folder back to a plain BERT folder (`BertModel` / the matching `BertFor*`)."""
     folder = Path(encoderstack_path)
-    config = EncoderStackConfig.from_dict(read_config(folder))
+    config = read_config(folder)
+    if config.get("model_type") != "encoderstack":
+        raise ConversionError(f"{folder}: not an EncoderStack folder (model_type {config.get('model_type')!r})")
+    try:
+        config = EncoderStackConfig.from_dict(config)
+    except Exception as error:  # the config's own validation says what is wrong
+        raise ConversionError(f"{folder / 'config.json'}: {error}") from None
     unsupported = {
         "norm_placement": (config.norm_placement, "post"), "norm_type": (config.norm_type, "layernorm"),
         "embedding_norm": (config.embedding_norm, True),
@@ -376,7 +464,10 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
     if config.hidden_act not in transformers.activations.ACT2FN:
         raise ConversionError(f"{folder}: BERT cannot express the gated activation {config.hidden_act!r}")
     class_name = (config.architectures or ["EncoderStackModel"])[0]
-    task = task_for_encoderstack_class(class_name)
+    try:
+        task = task_for_encoderstack_class(class_name)
+    except ConversionError as error:
+        raise ConversionError(f"{folder / 'config.json'}: {error}") from None
     tensors = open_hf_weights(folder)
     if tensors is None:
         raise ConversionError(f"{folder}: no weights found")

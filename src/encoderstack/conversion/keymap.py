@@ -124,4 +124,9 @@ def task_for_architecture(architecture: str) -> tuple[str, Task]:
 
 
 def task_for_encoderstack_class(class_name: str) -> Task:
-    return next(t for t in TASKS.values() if t.encoderstack_class == class_name and t.name != "next-sentence")
+    for task in TASKS.values():
+        if task.encoderstack_class == class_name and task.name != "next-sentence":
+            return task
+    known = sorted({task.encoderstack_class for task in TASKS.values()})
+    raise ConversionError(f"architecture {class_name!r} is not an EncoderStack class; expected one of "
+                          f"{', '.join(known)}")

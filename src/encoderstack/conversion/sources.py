@@ -5,6 +5,8 @@ safetensors first; a pickle checkpoint only through `torch.load(weights_only=Tru
 """
 
 import json
+import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -35,6 +37,10 @@ class TensorSource:
         raise NotImplementedError
 
     def get(self, key: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def file_of(self, key: str) -> Path:
+        """The file that holds `key`, for messages."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -73,30 +79,36 @@ class SafetensorsSource(TensorSource):
     def get(self, key):
         return self._owner[key][1].get_tensor(key)
 
+    def file_of(self, key):
+        return self._owner[key][0]
+
 
 class TorchPickleSource(TensorSource):
     format = "pytorch_model.bin (torch.load, weights_only=True)"
 
     def __init__(self, files: list[Path]):
         self.files = files
-        self._tensors = {}
+        self._tensors, self._owner = {}, {}
         for file in files:
             state = self._load(file)
             if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
                 raise ConversionError(f"{file}: expected a flat state dict of tensors")
             self._tensors.update(state)
+            self._owner.update(dict.fromkeys(state, file))
 
     @staticmethod
     def _load(file: Path):
-        try:  # memory-mapped where the file is a zip archive (torch >= 1.6), so nothing is read twice
-            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as error:  # malformed, truncated or hostile: an unpickling error says which
-            if "mmap" not in str(error):
+        with warnings.catch_warnings():  # torch warns about pickle protocols: the error is the one line we print
+            warnings.simplefilter("ignore", UserWarning)
+            try:  # memory-mapped where the file is a zip archive (torch >= 1.6), so nothing is read twice
+                return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as error:  # malformed, truncated or hostile: an unpickling error says which
+                if "mmap" not in str(error):
+                    raise ConversionError(f"{file}: not a readable PyTorch checkpoint ({_reason(error)})") from None
+            try:
+                return torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as error:
                 raise ConversionError(f"{file}: not a readable PyTorch checkpoint ({_reason(error)})") from None
-        try:
-            return torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as error:
-            raise ConversionError(f"{file}: not a readable PyTorch checkpoint ({_reason(error)})") from None
 
     def keys(self):
         return sorted(self._tensors)
@@ -110,14 +122,20 @@ class TorchPickleSource(TensorSource):
     def get(self, key):
         return self._tensors[key]
 
+    def file_of(self, key):
+        return self._owner[key]
+
 
 def _reason(error: Exception) -> str:
-    """torch.load's own message is a page long; keep the line that says what was wrong."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    refused = next((line for line in lines if line.startswith("WeightsUnpickler error:")), None)
-    if refused:
-        return "refused by torch.load(weights_only=True): " + refused.removeprefix("WeightsUnpickler error: ")
-    return lines[0] if lines else type(error).__name__
+    """torch.load's own message is a page long, and for a refused pickle it advises `weights_only=False`, which
+    would run whatever the pickle holds: keep only the sentence that says what was wrong."""
+    text = str(error).replace("WeightsUnpickler error:", "\n\n")
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text) if p.strip()]
+    if not paragraphs or not paragraphs[0].startswith("Weights only load failed"):
+        return paragraphs[0] if paragraphs else type(error).__name__
+    reasons = [p for p in paragraphs[1:] if "weights_only" not in p and not p.startswith("Check the documentation")]
+    reason = reasons[0].split(". ")[0].rstrip(".") if reasons else "it holds something other than tensors"
+    return f"refused by torch.load(weights_only=True): {reason}"
 
 
 def _sharded(folder: Path, index_name: str) -> list[Path]:
@@ -126,11 +144,18 @@ def _sharded(folder: Path, index_name: str) -> list[Path]:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ConversionError(f"{index}: not a readable shard index ({error})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+        raise ConversionError(f"{index}: weight_map must be an object of tensor name -> shard file name, "
+                              f"got {type(weight_map).__name__}")
     files = [folder / name for name in sorted(set(weight_map.values()))]
     for file in files:
         if not file.is_file():
             raise ConversionError(f"{index}: shard {file.name} is missing")
     return files
+
+
+def has_hf_weights(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in WEIGHT_FILE_NAMES)
 
 
 def open_hf_weights(folder: Path) -> TensorSource | None:

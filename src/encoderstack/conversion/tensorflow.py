@@ -59,6 +59,9 @@ class TFCheckpointSource(TensorSource):
     def get(self, key):
         return self.checkpoint.get_tensor(key)
 
+    def file_of(self, key):
+        return self.files[0]
+
     def close(self):
         self.checkpoint.close()
 
@@ -66,7 +69,11 @@ class TFCheckpointSource(TensorSource):
 def architecture(names: set[str], tensors: TFCheckpointSource) -> tuple[str, dict]:
     """The BERT class a Google checkpoint amounts to, from the heads it holds."""
     if "output_weights" in names:
-        return "BertForSequenceClassification", {"num_labels": tensors.shape("output_weights")[0]}
+        shape = tensors.shape("output_weights")
+        if len(shape) != 2 or shape[0] < 1:
+            raise ConversionError(f"{tensors.file_of('output_weights')}: variable 'output_weights' has shape "
+                                  f"{list(shape)}; a classifier's is [num_labels >= 1, hidden_size]")
+        return "BertForSequenceClassification", {"num_labels": shape[0]}
     if "cls/squad/output_weights" in names:
         return "BertForQuestionAnswering", {"num_labels": 2}
     if "cls/predictions/output_bias" in names:
@@ -82,6 +89,25 @@ def default_lowercase(folder: Path) -> tuple[bool, str]:
     if "cased" in name:
         return False, f"folder name {folder.name!r} says cased"
     return True, "no cased/uncased in the folder name: BERT's default"
+
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def check_vocab(vocab: Path, vocab_size) -> None:
+    """A vocab.txt that BERT's tokenizer can use with this checkpoint: UTF-8, one token a line, BERT's special
+    tokens, and no id beyond the embedding table."""
+    try:
+        tokens = vocab.read_text(encoding="utf-8").removesuffix("\n").split("\n")
+    except UnicodeDecodeError as error:
+        raise ConversionError(f"{vocab}: not UTF-8 text (byte {error.start}); expected one token a line") from None
+    if tokens == [""]:
+        raise ConversionError(f"{vocab}: empty; a BERT vocabulary lists one token a line")
+    missing = [token for token in SPECIAL_TOKENS if token not in set(tokens)]
+    if missing:
+        raise ConversionError(f"{vocab}: not a BERT vocabulary ({len(tokens)} lines, no {' '.join(missing)})")
+    if isinstance(vocab_size, int) and len(tokens) > vocab_size:
+        raise ConversionError(f"{vocab}: {len(tokens)} tokens, more than the checkpoint's vocab_size {vocab_size}")
 
 
 def open_tf_source(path: Path, gelu: str = "tanh", lowercase: bool | None = None):
@@ -114,6 +140,7 @@ def open_tf_source(path: Path, gelu: str = "tanh", lowercase: bool | None = None
     vocab = folder / "vocab.txt"
     write_tokenizer = None
     if vocab.is_file():
+        check_vocab(vocab, config.get("vocab_size"))
         lower, why = default_lowercase(folder) if lowercase is None else (lowercase, "chosen with --lowercase/--cased")
         notes["tokenizer"] = f"BertTokenizer from vocab.txt, do_lower_case={lower} ({why})"
 
@@ -124,7 +151,7 @@ def open_tf_source(path: Path, gelu: str = "tanh", lowercase: bool | None = None
     else:
         notes["tokenizer"] = "none: the checkpoint folder has no vocab.txt"
     return Source(folder, config, tensors, bert_names, skipped, notes=notes, write_extras=write_tokenizer,
-                  copy_other_files=False, reference="exported")
+                  copy_other_files=False, reference="exported", config_file="bert_config.json")
 
 
 __all__ = ["GELU", "TFCheckpointError", "bert_name", "open_tf_source"]

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from .. import modeling_encoderstack
-from .keymap import FAMILIES
+from .keymap import FAMILIES, ConversionError
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -24,7 +24,7 @@ OUTPUTS = ("last_hidden_state", "pooler_output", "logits", "prediction_logits", 
            "start_logits", "end_logits")
 
 
-def sample_batches(folder, config, multiple_choice: bool) -> list[dict]:
+def sample_batches(folder, config, multiple_choice: bool, source=None) -> list[dict]:
     """The tokenizer's encoding of single sentences and of pairs, padded; random ids without a tokenizer."""
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
@@ -33,6 +33,10 @@ def sample_batches(folder, config, multiple_choice: bool) -> list[dict]:
     if tokenizer is not None:
         batches = [dict(tokenizer(SENTENCES, padding=True, return_tensors="pt")),
                    dict(tokenizer([a for a, _ in PAIRS], [b for _, b in PAIRS], padding=True, return_tensors="pt"))]
+        largest = max(batch["input_ids"].max().item() for batch in batches)
+        if largest >= config.vocab_size:  # the reference would fail with an IndexError; ours with a ValueError
+            raise ConversionError(f"{source or folder}: the tokenizer gives token id {largest}, but vocab_size is "
+                                  f"{config.vocab_size}: its vocabulary does not belong to these weights")
     else:
         generator = torch.Generator().manual_seed(0)
         lengths = torch.tensor([12, 5, 9, 1])
@@ -62,22 +66,30 @@ def real(tensor, mask):
     return tensor
 
 
+def on_real_tokens(result: dict) -> dict[str, list[torch.Tensor]]:
+    """Every output of one run, restricted to real tokens: name -> tensors (one per layer for the per-layer ones)."""
+    out, mask = result["out"], result["mask"]
+    outputs = {name: [real(getattr(out, name), mask)] for name in OUTPUTS if getattr(out, name, None) is not None}
+    outputs["hidden_states"] = [real(h, mask) for h in out.hidden_states or ()]
+    outputs["attentions"] = [a.transpose(1, 2)[mask] for a in out.attentions or ()]  # real queries, every key
+    return {name: tensors for name, tensors in outputs.items() if tensors}
+
+
+def check_finite(outputs: dict[str, list[torch.Tensor]], whose: str) -> None:
+    """Refuse NaN/inf outputs: a largest difference cannot show them (NaN compares as neither larger nor smaller)."""
+    bad = [name for name, tensors in outputs.items() if not all(torch.isfinite(t).all() for t in tensors)]
+    if bad:
+        raise ConversionError(f"{whose} output {', '.join(bad)} has NaN/inf on real tokens")
+
+
 def compare(reference: list[dict], converted: list[dict], skip: set) -> list[dict]:
     worst = {}
-
-    def record(name, a, b):
-        worst[name] = max(worst.get(name, 0.0), (a.float() - b.float()).abs().max().item() if a.numel() else 0.0)
-
     for ref, ours in zip(reference, converted):
-        mask = ref["mask"]
-        for name in OUTPUTS:
-            a, b = getattr(ref["out"], name, None), getattr(ours["out"], name, None)
-            if a is not None and b is not None and name not in skip:
-                record(name, real(a, mask), real(b, mask))
-        for i, (a, b) in enumerate(zip(ref["out"].hidden_states, ours["out"].hidden_states)):
-            record("hidden_states", real(a, mask), real(b, mask))
-        for a, b in zip(ref["out"].attentions or (), ours["out"].attentions or ()):
-            record("attentions", a.transpose(1, 2)[mask], b.transpose(1, 2)[mask])  # real queries, every key
+        ref, ours = on_real_tokens(ref), on_real_tokens(ours)
+        for name in (name for name in ref if name in ours and name not in skip):
+            for a, b in zip(ref[name], ours[name]):
+                difference = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+                worst[name] = max(worst.get(name, 0.0), difference)
     return [{"output": name, "max_abs_diff": value} for name, value in worst.items()]
 
 
@@ -86,7 +98,7 @@ def verify_folder(reference_folder, conversion, folder) -> dict:
     prefix = FAMILIES[conversion.family][0]
     reference_class = getattr(transformers, prefix + conversion.task.bert_suffix)
     ours_class = getattr(modeling_encoderstack, conversion.task.encoderstack_class)
-    batches = sample_batches(folder, conversion.config, conversion.task.name == "multiple-choice")
+    batches = sample_batches(folder, conversion.config, conversion.task.name == "multiple-choice", reference_folder)
     skip = set()
     if any(key.endswith("pooler.dense.weight") for key in conversion.initialized):
         skip |= {"pooler_output"}
@@ -100,9 +112,14 @@ def verify_folder(reference_folder, conversion, folder) -> dict:
         expected = run(reference, batches, backend)
         del reference
         gc.collect()
+        for result in expected:
+            check_finite(on_real_tokens(result), f"the reference {reference_class.__name__} ({backend})")
         ours = ours_class.from_pretrained(folder, attn_implementation=backend).eval()
-        results[backend] = compare(expected, run(ours, batches, backend), skip)
+        converted = run(ours, batches, backend)
         del ours
+        for result in converted:
+            check_finite(on_real_tokens(result), f"EncoderStack ({backend})")
+        results[backend] = compare(expected, converted, skip)
     return {
         "reference": reference_class.__name__,
         "inputs": "tokenizer: sentences and sentence pairs, padded" if len(batches) > 1 else "random ids, padded",
