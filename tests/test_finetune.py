@@ -176,6 +176,12 @@ def test_a_csv_row_with_more_fields_than_the_header_is_refused(tiny, tmp_path, n
         finetune(tiny, tmp_path / "out", train=data, eval=data)
 
 
+def test_own_training_data_without_evaluation_data_is_refused(tiny, tmp_path, no_model_load):
+    data = write(tmp_path / "train.csv", "text,label\nfine,positive\nbad,negative\n")
+    with pytest.raises(FinetuneError, match=r"train.csv: no evaluation data given for it \(eval, --eval\)"):
+        finetune(tiny, tmp_path / "out", train=data)
+
+
 def test_a_csv_from_a_spreadsheet_with_a_byte_order_mark_reads_its_first_column(tmp_path):
     path = tmp_path / "train.csv"
     path.write_bytes(b"\xef\xbb\xbf" + b"text,label\nfine,positive\n")

@@ -78,21 +78,26 @@ def is_integer(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_words(value) -> bool:
+def is_text(value) -> bool:
+    return isinstance(value, str)
+
+
+def is_label(value) -> bool:
+    return isinstance(value, str) or is_integer(value)
+
+
+def is_words(value) -> bool:  # a CSV field is a string, split at spaces
     return isinstance(value, str) or isinstance(value, list) and all(isinstance(word, str) for word in value)
 
 
-# What each column may hold, as JSON gives it (a CSV field is always a string), and how to say so.
-COLUMN_TYPES = {
-    "text": (lambda value: isinstance(value, str), "a string"),
-    "label": (lambda value: isinstance(value, str) or is_integer(value), "a string or an integer"),
-    "tokens": (is_words, "a list of strings"),
-    "answer_start": (lambda value: is_integer(value) and value >= 0 or isinstance(value, str) and value.isascii()
-                     and value.isdigit(), "a character offset (an integer, 0 or more)"),
-}
-for column in ("text_pair", "question", "context", "answer"):
-    COLUMN_TYPES[column] = COLUMN_TYPES["text"]
-COLUMN_TYPES["tags"] = COLUMN_TYPES["tokens"]
+def is_offset(value) -> bool:
+    return is_integer(value) and value >= 0 or isinstance(value, str) and value.isascii() and value.isdigit()
+
+
+TEXT, WORDS = (is_text, "a string"), (is_words, "a list of strings")
+COLUMN_TYPES = {"text": TEXT, "text_pair": TEXT, "question": TEXT, "context": TEXT, "answer": TEXT,
+                "label": (is_label, "a string or an integer"), "tokens": WORDS, "tags": WORDS,
+                "answer_start": (is_offset, "a character offset (an integer, 0 or more)")}
 
 
 def require(rows, path, columns, optional=()) -> None:
@@ -302,11 +307,12 @@ def load_tokenizer(model, config):
     return tokenizer
 
 
-def finetune(model, output, task="text-classification", train=DATA / "train.csv", eval=DATA / "dev.csv",
+def finetune(model, output, task="text-classification", train=DATA / "train.csv", eval=None,
              epochs=3.0, batch_size=16, learning_rate=1e-4, max_length=128, seed=42,
              gradient_accumulation_steps=1, force=False, **training_args) -> dict:
     """Fine-tune `model` (an EncoderStack or BERT folder) on `train`, keep the best checkpoint by `eval`, and
-    write it to `output` with its tokenizer, `finetune.json` (data, settings, metrics) and `loss.png`.
+    write it to `output` with its tokenizer, `finetune.json` (data, settings, metrics) and `loss.png`. `eval`
+    defaults to the shipped held-out set only when `train` is the shipped training set.
 
     Settings, model folder and data are all checked before any model is loaded (FinetuneError, DataError)."""
     import encoderstack
@@ -318,6 +324,10 @@ def finetune(model, output, task="text-classification", train=DATA / "train.csv"
         raise FinetuneError("the loss plot needs matplotlib: pip install 'encoderstack[plots]'") from None
     if task not in TASKS:
         raise FinetuneError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    if eval is None:
+        if Path(train) != DATA / "train.csv":  # scoring your data's model on the shipped reviews would look plausible
+            raise FinetuneError(f"{train}: no evaluation data given for it (eval, --eval)")
+        eval = DATA / "dev.csv"
     spec = TASKS[task]
     config = model_config(model)
     train_rows, eval_rows = read_rows(train), read_rows(eval)
