@@ -1,7 +1,9 @@
 """EncoderStackConfig mirrors BertConfig's fields and rejects impossible settings with messages that say why."""
 
+import dataclasses
+
 import pytest
-from huggingface_hub.errors import StrictDataclassError
+from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassError
 from transformers import AutoConfig, BertConfig
 
 from encoderstack import EncoderStackConfig
@@ -52,13 +54,23 @@ def test_a_config_survives_a_save_and_load(tmp_path):
         ({"attention_probs_dropout_prob": -0.1}, "`attention_probs_dropout_prob` must lie in [0, 1), got -0.1"),
         ({"classifier_dropout": 1.5}, "`classifier_dropout` must lie in [0, 1), got 1.5"),
         ({"position_embedding_type": "rope", "hidden_size": 36, "num_attention_heads": 4}, "even head size, got 9"),
-        ({"resi_dual_scale": 0}, "`resi_dual_scale` must be positive, got 0"),
+        ({"resi_dual_scale": 0}, "`resi_dual_scale` must be a positive finite number, got 0"),
     ],
 )
 def test_an_impossible_config_is_rejected_with_a_clear_message(fields, message):
     with pytest.raises(StrictDataclassError) as error:
         EncoderStackConfig(**fields)
     assert message in str(error.value)
+
+
+def test_every_float_field_refuses_nan_and_infinities():
+    float_fields = [field.name for field in dataclasses.fields(EncoderStackConfig) if "float" in str(field.type)]
+    assert {"layer_norm_eps", "initializer_range", "rope_theta", "resi_dual_scale", "hidden_dropout_prob"} <= set(
+        float_fields)
+    for name in float_fields:
+        for value in (float("nan"), float("inf"), float("-inf")):
+            with pytest.raises(StrictDataclassClassValidationError, match=f"`{name}` must .*, got {value}"):
+                EncoderStackConfig(**{name: value})
 
 
 def test_a_field_of_the_wrong_type_is_rejected():

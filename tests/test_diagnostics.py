@@ -14,6 +14,7 @@ from transformers import BertConfig, BertForMaskedLM
 
 import encoderstack
 from encoderstack.diagnostics import (
+    ReportSettings,
     SyntheticMLMTask,
     activation_rms_per_layer,
     add_diagnose_command,
@@ -241,3 +242,19 @@ def test_the_command_refuses_bad_options(argv, capsys):
 
     assert exit_info.value.code == 2
     assert "diagnose: error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lr", ["nan", "inf", "-1", "0", "fast"])
+def test_the_command_refuses_a_learning_rate_that_is_not_a_positive_number_before_any_work(lr, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        diagnose(*TINY_REPORT, "--lr", lr, "--out", str(tmp_path / "report"))
+
+    assert exit_info.value.code == 2
+    assert f"argument --lr: expected a positive finite number, got {lr!r}" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("lr", [float("nan"), float("-inf"), -1e-3, 0.0])
+def test_report_settings_refuse_a_learning_rate_that_is_not_a_positive_number(lr):
+    with pytest.raises(ValueError, match=f"lr must be a positive finite number, got {lr}"):
+        ReportSettings(lr=lr)

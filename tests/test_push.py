@@ -7,6 +7,7 @@ outputs they had before.
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -240,3 +241,33 @@ def test_a_push_the_hub_refuses_gives_one_line_and_leaves_no_commit(hub, tiny_fo
     error = capsys.readouterr().err
     assert error.startswith("encoderstack: error: tester/refused: the Hub refused the push: ") and "401" in error
     assert error.count("\n") == 1 and "tester/refused" not in hub.repos
+
+
+@pytest.mark.parametrize("repo_id", ["tester/tiny/extra", "tester/has space", "tester/a--b", "tester/name.git", ""])
+def test_an_invalid_repo_id_is_refused_before_any_request(hub, tiny_folder, capsys, repo_id):
+    sent_before = len(hub.requests)
+    assert main(["push", str(tiny_folder), repo_id]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"encoderstack: error: {repo_id!r}: not a Hub repository id (nothing was sent): ")
+    assert error.count("\n") == 1 and hub.requests[sent_before:] == []
+
+
+@pytest.fixture
+def refusing_endpoint():
+    """The address of a loopback port that nothing listens on: every connection to it is refused."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def test_an_unreachable_hub_gives_one_line_naming_the_endpoint(tiny_folder, refusing_endpoint, tmp_path):
+    # A process of its own: huggingface_hub reads HF_ENDPOINT when it is first imported.
+    environment = {**os.environ, "HF_ENDPOINT": refusing_endpoint, "HF_HOME": str(tmp_path / "hf_home"),
+                   "HF_TOKEN": TOKEN, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    result = subprocess.run([sys.executable, "-m", "encoderstack", "push", str(tiny_folder), "tester/unreachable"],
+                            capture_output=True, text=True, env=environment, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith(f"encoderstack: error: tester/unreachable: not pushed: cannot reach the Hub at "
+                                    f"{refusing_endpoint} (")
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1

@@ -44,6 +44,17 @@ def test_every_placement_round_trips_through_auto_model(placement, tmp_path):
     torch.testing.assert_close(outputs_of(loaded, model_class), outputs_of(model, model_class), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("model_class", [encoderstack.EncoderStackModel, encoderstack.EncoderStackForMaskedLM],
+                         ids=lambda c: c.__name__)
+def test_from_pretrained_with_no_name_builds_the_model_from_a_config_and_a_state_dict(model_class):
+    model = build(model_class, norm_placement="pre")
+    loaded = model_class.from_pretrained(None, config=model.config, state_dict=model.state_dict()).eval()
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
+    assert torch.equal(outputs_of(loaded, model_class), outputs_of(model, model_class))
+
+
 def test_every_auto_class_resolves_to_its_encoderstack_head():
     config = transformers.AutoConfig.for_model("encoderstack", num_hidden_layers=1, hidden_size=32,
                                                num_attention_heads=4, intermediate_size=37, vocab_size=99)

@@ -88,6 +88,7 @@ def finetune_command(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .conversion import TASKS
+    from .diagnostics.command import positive_float, positive_int
     from .hub import add_hub_commands
 
     parser = argparse.ArgumentParser(prog="encoderstack", description=__doc__)
@@ -116,12 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--train", help="CSV or JSON lines (default: the shipped sentiment data)")
     tune.add_argument("--eval", help="CSV or JSON lines (default: the shipped sentiment data)")
     tune.add_argument("--output", default="encoderstack-finetuned", help="where the best checkpoint goes")
-    tune.add_argument("--epochs", type=float, default=3.0)
-    tune.add_argument("--batch-size", type=int, default=16, help="per process")
-    tune.add_argument("--lr", type=float, default=1e-4)
-    tune.add_argument("--max-length", type=int, default=128)
+    tune.add_argument("--epochs", type=positive_float, default=3.0)
+    tune.add_argument("--batch-size", type=positive_int, default=16, help="per process")
+    tune.add_argument("--lr", type=positive_float, default=1e-4)
+    tune.add_argument("--max-length", type=positive_int, default=128)
     tune.add_argument("--seed", type=int, default=42)
-    tune.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    tune.add_argument("--gradient-accumulation-steps", type=positive_int, default=1)
     tune.add_argument("--optim", default="adamw_torch", help="any TrainingArguments optim, e.g. sgd")
     tune.add_argument("--force", action="store_true", help="replace an existing output folder")
     tune.set_defaults(run=finetune_command)
@@ -142,12 +143,12 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from .conversion import ConversionError
     from .conversion.tf_checkpoint import TFCheckpointError
-    from .finetune import DataError
+    from .finetune import FinetuneError
     from .hub_card import HubError
 
     try:
         return args.run(args)
-    except (ConversionError, TFCheckpointError, DataError, HubError) as error:
+    except (ConversionError, TFCheckpointError, FinetuneError, HubError) as error:
         print("encoderstack: error: " + " ".join(str(error).split()), file=sys.stderr)
         return 2
 

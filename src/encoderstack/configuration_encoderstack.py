@@ -4,6 +4,8 @@ Self-contained on purpose (imports only `transformers`): `save_pretrained` copie
 that `trust_remote_code=True` works on machines without the package.
 """
 
+import math
+
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
@@ -95,8 +97,8 @@ class EncoderStackConfig(PreTrainedConfig):
                 f"Rotary positions need an even head size, got {self.hidden_size // self.num_attention_heads}."
             )
         for name in ("layer_norm_eps", "initializer_range", "rope_theta", "resi_dual_scale"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"`{name}` must be positive, got {getattr(self, name)}.")
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"`{name}` must be a positive finite number, got {getattr(self, name)}.")
 
 
 __all__ = ["EncoderStackConfig"]

@@ -17,22 +17,41 @@ import torch
 import transformers
 
 from .conversion.converter import OutputFolder
+from .conversion.keymap import FAMILIES, task_for_architecture
 from .hub_card import write_card
+from .jsonfile import read_json_object
 
 DATA = Path(__file__).parent / "data" / "sentiment"
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
+# Heads whose `classifier` weights another of them would load as its own when the shapes agree.
+CLASSIFIER_HEADS = ("EncoderStackForSequenceClassification", "EncoderStackForTokenClassification",
+                    "EncoderStackForQuestionAnswering", "EncoderStackForMultipleChoice")
 
 
-class DataError(ValueError):
+class FinetuneError(ValueError):
+    """A fine-tuning run that cannot start: its settings, its model folder or its data (the message says which)."""
+
+
+class DataError(FinetuneError):
     """Training or evaluation data that cannot be used; the message names the file and the row."""
+
+
+def read_text(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise DataError(f"{path}: cannot read ({error.strerror})") from None
+    try:
+        return data.decode("utf-8-sig")  # a spreadsheet's byte-order mark is not part of the first column's name
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise DataError(f"{path}: line {line}: not UTF-8 text ({error.reason} at byte {error.start})") from None
 
 
 def read_rows(path) -> list[dict]:
     """Rows of a CSV file (with a header) or a JSON-lines file, each with its 1-based row number in `_row`."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise DataError(f"{path}: cannot read ({error.strerror})") from None
+    text = read_text(path)
     if path.suffix in (".jsonl", ".json"):
         rows = []
         for number, line in enumerate(text.splitlines(), start=1):
@@ -46,16 +65,52 @@ def read_rows(path) -> list[dict]:
                 rows.append({**row, "_row": number})
     else:  # the header is line 1, so the first record is row 2: what a spreadsheet shows
         rows = [{**row, "_row": number} for number, row in enumerate(csv.DictReader(text.splitlines()), start=2)]
+        for row in rows:
+            if None in row:  # csv's key for fields beyond the header's
+                raise DataError(f"{path}: row {row['_row']}: more fields than the header has ({len(row[None])} "
+                                f"extra; is a comma inside an unquoted field?)")
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
 
 
-def require(rows, path, columns) -> None:
+def is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_text(value) -> bool:
+    return isinstance(value, str)
+
+
+def is_label(value) -> bool:
+    return isinstance(value, str) or is_integer(value)
+
+
+def is_words(value) -> bool:  # a CSV field is a string, split at spaces
+    return isinstance(value, str) or isinstance(value, list) and all(isinstance(word, str) for word in value)
+
+
+def is_offset(value) -> bool:
+    return is_integer(value) and value >= 0 or isinstance(value, str) and value.isascii() and value.isdigit()
+
+
+TEXT, WORDS = (is_text, "a string"), (is_words, "a list of strings")
+COLUMN_TYPES = {"text": TEXT, "text_pair": TEXT, "question": TEXT, "context": TEXT, "answer": TEXT,
+                "label": (is_label, "a string or an integer"), "tokens": WORDS, "tags": WORDS,
+                "answer_start": (is_offset, "a character offset (an integer, 0 or more)")}
+
+
+def require(rows, path, columns, optional=()) -> None:
     for row in rows:
-        for column in columns:
-            if row.get(column) in (None, ""):
+        for column in (*columns, *optional):
+            value = row.get(column)
+            if value in (None, "", []):
+                if column in optional:
+                    continue
                 raise DataError(f"{path}: row {row['_row']}: missing column {column!r}")
+            allowed, kind = COLUMN_TYPES[column]
+            if not allowed(value):
+                raise DataError(f"{path}: row {row['_row']}: column {column!r} must be {kind}, got {value!r}")
 
 
 def as_list(value) -> list:
@@ -70,6 +125,7 @@ class Task:
     model_class: str
     columns: tuple
     metric: str
+    optional: tuple = ()
 
     def labels(self, rows) -> list[str]:
         if self.name == "text-classification":
@@ -78,9 +134,18 @@ class Task:
             return sorted({str(tag) for row in rows for tag in as_list(row["tags"])})
         return []
 
-    def encode(self, rows, path, tokenizer, label2id, max_length) -> list[dict]:
-        return [getattr(self, "_encode_" + self.name.replace("-", "_"))(row, path, tokenizer, label2id, max_length)
-                for row in rows]
+    def encode(self, rows, path, tokenizer, label2id, max_length, positions=None) -> list[dict]:
+        """Every row's features; `positions` (the model's learned position embeddings) caps their length."""
+        encoded = []
+        for row in rows:
+            features = getattr(self, "_encode_" + self.name.replace("-", "_"))(row, path, tokenizer, label2id,
+                                                                                max_length)
+            if positions is not None and len(features["input_ids"]) > positions:
+                raise DataError(f"{path}: row {row['_row']}: {len(features['input_ids'])} tokens, more than the "
+                                f"model's {positions} positions (max_position_embeddings); use a max_length of at "
+                                f"most {positions}")
+            encoded.append(features)
+        return encoded
 
     def _label_id(self, label, row, path, label2id):
         if str(label) not in label2id:
@@ -140,11 +205,11 @@ class Task:
 
 TASKS = {
     "text-classification": Task("text-classification", "EncoderStackForSequenceClassification",
-                                ("text", "label"), "accuracy"),
+                                ("text", "label"), "accuracy", optional=("text_pair",)),
     "token-classification": Task("token-classification", "EncoderStackForTokenClassification",
                                  ("tokens", "tags"), "f1"),
     "question-answering": Task("question-answering", "EncoderStackForQuestionAnswering",
-                               ("question", "context", "answer"), "exact_match"),
+                               ("question", "context", "answer"), "exact_match", optional=("answer_start",)),
 }
 
 
@@ -178,45 +243,144 @@ def plot_losses(log_history: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
-def finetune(model, output, task="text-classification", train=DATA / "train.csv", eval=DATA / "dev.csv",
+def check_settings(epochs, batch_size, learning_rate, max_length, seed, gradient_accumulation_steps) -> None:
+    """Numbers Trainer would accept and then train nothing, or NaN, from."""
+    for name, value in (("epochs", epochs), ("learning_rate", learning_rate)):
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+            raise FinetuneError(f"{name} must be a positive finite number, got {value!r}")
+    for name, value in (("batch_size", batch_size), ("max_length", max_length),
+                        ("gradient_accumulation_steps", gradient_accumulation_steps)):
+        if not (is_integer(value) and value > 0):
+            raise FinetuneError(f"{name} must be a positive integer, got {value!r}")
+    if not (is_integer(seed) and 0 <= seed < 2**32):
+        raise FinetuneError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+
+
+def model_config(model) -> dict:
+    """The config.json of an EncoderStack or BERT folder that has a tokenizer: checked before anything is loaded."""
+    folder = Path(model)
+    if not folder.is_dir():
+        raise FinetuneError(f"{folder}: no such model folder")
+    config = read_json_object(folder / "config.json", FinetuneError)
+    if config.get("model_type") != "encoderstack" and config.get("model_type") not in FAMILIES:
+        raise FinetuneError(f"{folder / 'config.json'}: model_type {config.get('model_type')!r} is not an "
+                            f"EncoderStack or BERT model")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FinetuneError(f"{folder}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); fine-tuning takes the "
+                            f"tokenizer from the model folder")
+    return config
+
+
+def head_class(config) -> str | None:
+    """The EncoderStack class the folder's weights are for (a BERT architecture is translated), None if unknown."""
+    architecture = (config.get("architectures") or [None])[0]
+    if config["model_type"] == "encoderstack" or architecture is None:
+        return architecture
+    return task_for_architecture(architecture)[1].encoderstack_class
+
+
+def training_labels(config, model, spec: Task, labels: list[str]) -> list[str]:
+    """The labels to train, in the order of the folder's own head when it is this task's. A head of another task is
+    refused: its `classifier` weights would become the new head's whenever the shapes agree."""
+    head = head_class(config)
+    if head in CLASSIFIER_HEADS and head != spec.model_class:
+        raise FinetuneError(f"{Path(model) / 'config.json'}: the folder holds an {head} head; fine-tuning it for "
+                            f"{spec.name} would start from that head's weights (start from a base or masked-LM model)")
+    if head != spec.model_class or not labels:
+        return labels
+    id2label = config.get("id2label") or {i: f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
+    trained = [str(id2label[key]) for key in sorted(id2label, key=int)]
+    if sorted(trained) != labels:
+        raise FinetuneError(f"{Path(model) / 'config.json'}: its {head} head was trained for the labels "
+                            f"{', '.join(trained)}; the training data has {', '.join(labels)}")
+    return trained
+
+
+def load_tokenizer(model, config):
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as error:
+        raise FinetuneError(f"{model}: the tokenizer does not load ({' '.join(str(error).split())})") from None
+    if len(tokenizer) > config.get("vocab_size", len(tokenizer)):
+        raise FinetuneError(f"{model}: the tokenizer has {len(tokenizer)} tokens but the model only "
+                            f"{config['vocab_size']} embeddings (vocab_size in config.json)")
+    return tokenizer
+
+
+def finetune(model, output, task="text-classification", train=DATA / "train.csv", eval=None,
              epochs=3.0, batch_size=16, learning_rate=1e-4, max_length=128, seed=42,
              gradient_accumulation_steps=1, force=False, **training_args) -> dict:
     """Fine-tune `model` (an EncoderStack or BERT folder) on `train`, keep the best checkpoint by `eval`, and
-    write it to `output` with its tokenizer, `finetune.json` (data, settings, metrics) and `loss.png`."""
+    write it to `output` with its tokenizer, `finetune.json` (data, settings, metrics) and `loss.png`. `eval`
+    defaults to the shipped held-out set only when `train` is the shipped training set.
+
+    Settings, model folder and data are all checked before any model is loaded (FinetuneError, DataError)."""
     import encoderstack
 
+    check_settings(epochs, batch_size, learning_rate, max_length, seed, gradient_accumulation_steps)
     try:
         import matplotlib  # noqa: F401  (fail before training, not after it)
     except ImportError:
-        raise DataError("the loss plot needs matplotlib: pip install 'encoderstack[plots]'") from None
+        raise FinetuneError("the loss plot needs matplotlib: pip install 'encoderstack[plots]'") from None
+    if task not in TASKS:
+        raise FinetuneError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    if eval is None:
+        if Path(train) != DATA / "train.csv":  # scoring your data's model on the shipped reviews would look plausible
+            raise FinetuneError(f"{train}: no evaluation data given for it (eval, --eval)")
+        eval = DATA / "dev.csv"
     spec = TASKS[task]
+    config = model_config(model)
     train_rows, eval_rows = read_rows(train), read_rows(eval)
-    require(train_rows, train, spec.columns)
-    require(eval_rows, eval, spec.columns)
+    require(train_rows, train, spec.columns, spec.optional)
+    require(eval_rows, eval, spec.columns, spec.optional)
     labels = spec.labels(train_rows)
+    if spec.name != "question-answering" and len(labels) < 2:  # one label: Trainer would fit a regression
+        raise DataError(f"{train}: every row has the label {labels[0]!r}; a classifier needs at least two")
+    labels = training_labels(config, model, spec, labels)
     label2id = {label: i for i, label in enumerate(labels)}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    train_set = spec.encode(train_rows, train, tokenizer, label2id, max_length)
+    destination = OutputFolder(output, force)
+    tokenizer = load_tokenizer(model, config)
+    absolute = config.get("position_embedding_type", "absolute") == "absolute"
+    positions = config.get("max_position_embeddings") if absolute else None
+    train_set = spec.encode(train_rows, train, tokenizer, label2id, max_length, positions)
     # Shuffled once here and then read in order, so that the batches do not depend on the number of processes:
     # N processes with batch b reproduce one process with batch N*b (Trainer's samplers differ between the two).
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed)).tolist()
     train_set = [train_set[i] for i in order]
-    eval_set = spec.encode(eval_rows, eval, tokenizer, label2id, max_length)
+    eval_set = spec.encode(eval_rows, eval, tokenizer, label2id, max_length, positions)
 
+    checkpoints = destination.path.parent / f".{destination.path.name}.checkpoints"
+    try:
+        args = transformers.TrainingArguments(
+            output_dir=str(checkpoints),
+            num_train_epochs=epochs, per_device_train_batch_size=batch_size, per_device_eval_batch_size=batch_size,
+            learning_rate=learning_rate, warmup_steps=0.1, weight_decay=0.01, seed=seed,
+            gradient_accumulation_steps=gradient_accumulation_steps, eval_strategy="epoch", save_strategy="epoch",
+            load_best_model_at_end=True, metric_for_best_model=spec.metric, save_total_limit=1,
+            train_sampling_strategy="sequential",
+            logging_steps=max(1, math.ceil(len(train_set) / batch_size / 4)), report_to=[],
+            use_cpu=not torch.cuda.is_available(), **training_args,
+        )
+    except ValueError as error:  # an optimizer name, a precision this machine lacks, ...
+        raise FinetuneError(f"training settings: {' '.join(str(error).split())}") from None
     transformers.set_seed(seed)
     label_config = {"num_labels": len(labels), "id2label": dict(enumerate(labels)), "label2id": label2id} if labels else {}
-    network = getattr(encoderstack, spec.model_class).from_pretrained(model, **label_config)
-    destination = OutputFolder(output, force)
-    args = transformers.TrainingArguments(
-        output_dir=str(destination.path.parent / f".{destination.path.name}.checkpoints"),
-        num_train_epochs=epochs, per_device_train_batch_size=batch_size, per_device_eval_batch_size=batch_size,
-        learning_rate=learning_rate, warmup_steps=0.1, weight_decay=0.01, seed=seed,
-        gradient_accumulation_steps=gradient_accumulation_steps, eval_strategy="epoch", save_strategy="epoch",
-        load_best_model_at_end=True, metric_for_best_model=spec.metric, save_total_limit=1,
-        train_sampling_strategy="sequential",
-        logging_steps=max(1, math.ceil(len(train_set) / batch_size / 4)), report_to=[], use_cpu=not torch.cuda.is_available(),
-        **training_args,
-    )
+    try:
+        network = getattr(encoderstack, spec.model_class).from_pretrained(model, **label_config)
+        return train_and_save(network, tokenizer, args, spec, train_set, eval_set, destination, {
+            "task": task, "base_model": str(model), "train": str(train), "eval": str(eval),
+            "train_rows": len(train_set), "eval_rows": len(eval_set), "labels": labels,
+            "settings": {"epochs": epochs, "batch_size": batch_size, "learning_rate": learning_rate,
+                         "gradient_accumulation_steps": gradient_accumulation_steps, "max_length": max_length,
+                         "seed": seed, "world_size": args.world_size},
+        })
+    finally:  # the best checkpoint is in `output` by now, or the run failed: either way the rest is scratch
+        if args.should_save:
+            shutil.rmtree(checkpoints, ignore_errors=True)
+
+
+def train_and_save(network, tokenizer, args, spec: Task, train_set, eval_set, destination: OutputFolder,
+                   record: dict) -> dict:
     trainer = transformers.Trainer(model=network, args=args, train_dataset=train_set, eval_dataset=eval_set,
                                    data_collator=collator(spec, tokenizer), compute_metrics=spec.metrics)
     # The starting point is scored after training, on a copy: under DDP (transformers 5.24) a Trainer.evaluate()
@@ -228,16 +392,8 @@ def finetune(model, output, task="text-classification", train=DATA / "train.csv"
     before = transformers.Trainer(model=baseline, args=args, eval_dataset=eval_set, data_collator=collator(spec, tokenizer),
                                   compute_metrics=spec.metrics).evaluate()
     del baseline
-    record = {
-        "task": task, "base_model": str(model), "train": str(train), "eval": str(eval),
-        "train_rows": len(train_set), "eval_rows": len(eval_set), "labels": labels,
-        "settings": {"epochs": epochs, "batch_size": batch_size, "learning_rate": learning_rate,
-                     "gradient_accumulation_steps": gradient_accumulation_steps, "max_length": max_length,
-                     "seed": seed, "world_size": args.world_size},
-        "before": scores(before),
-        "after": scores(after),
-        "best_checkpoint_step": int(Path(trainer.state.best_model_checkpoint).name.split("-")[-1]),
-    }
+    record = {**record, "before": scores(before), "after": scores(after),
+              "best_checkpoint_step": int(Path(trainer.state.best_model_checkpoint).name.split("-")[-1])}
     if trainer.is_world_process_zero():
         with destination as folder:
             trainer.save_model(folder)
@@ -245,5 +401,4 @@ def finetune(model, output, task="text-classification", train=DATA / "train.csv"
             (folder / "finetune.json").write_text(json.dumps(record, indent=2) + "\n")
             plot_losses(history, folder / "loss.png")
             write_card(folder, repo_id=destination.path.name)
-        shutil.rmtree(args.output_dir, ignore_errors=True)
     return record

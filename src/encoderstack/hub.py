@@ -4,13 +4,15 @@ The Hub endpoint and the token are huggingface_hub's usual ones (`HF_ENDPOINT`, 
 """
 
 import json
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard
-from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from safetensors import SafetensorError, safe_open
 
 from .conversion.converter import expected_tensors
@@ -117,6 +119,10 @@ def push_folder(folder, repo_id: str, private: bool | None = False, revision: st
     before anything is created. A card that `encoderstack card` wrote and nobody edited since gets `repo_id` in its
     loading examples (the folder's own README.md is left as it is)."""
     folder = Path(folder)
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise HubError(f"{repo_id!r}: not a Hub repository id (nothing was sent): {error}") from None
     check_folder(folder)
     card = ModelCard.load(folder / CARD_NAME)
     unedited = str(card) == str(build_card(folder))
@@ -124,7 +130,7 @@ def push_folder(folder, repo_id: str, private: bool | None = False, revision: st
         card = build_card(folder, repo_id)
     operations = commit_operations(folder, card if unedited else None)
     api = HfApi(token=token)
-    with refusals_reported(repo_id):
+    with refusals_reported(repo_id, api.endpoint):
         try:
             card.validate()
         except ValueError as error:  # the Hub's answer to metadata it does not accept
@@ -136,12 +142,21 @@ def push_folder(folder, repo_id: str, private: bool | None = False, revision: st
                                  commit_description=commit_description, revision=revision, create_pr=create_pr)
 
 
+def transport_errors() -> tuple[type[Exception], ...]:
+    """Errors of a request that got no answer: huggingface_hub 1.x sends through httpx, 2.x through httpx2 (whichever
+    it imported), and offline mode raises a ConnectionError."""
+    return (ConnectionError, TimeoutError,
+            *(sys.modules[name].RequestError for name in ("httpx", "httpx2") if name in sys.modules))
+
+
 @contextmanager
-def refusals_reported(repo_id: str):
+def refusals_reported(repo_id: str, endpoint: str):
     try:
         yield
     except HfHubHTTPError as error:
         raise HubError(f"{repo_id}: the Hub refused the push: {error}") from None
+    except transport_errors() as error:
+        raise HubError(f"{repo_id}: not pushed: cannot reach the Hub at {endpoint} ({error})") from None
 
 
 def push_model(model, repo_id: str, *, commit_message: str | None = None, commit_description: str | None = None,

@@ -495,6 +495,8 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
 def load_converted(model_class, name_or_path, *args, **kwargs):
     """`EncoderStackFor*.from_pretrained` on a BERT checkpoint: convert into a temporary folder, load from there.
     Returns None for anything that is not a BERT checkpoint, which then loads the ordinary way."""
+    if not isinstance(name_or_path, (str, os.PathLike)):  # None with a config and a state_dict: nothing to convert
+        return None
     try:
         folder = Path(name_or_path) if Path(name_or_path).exists() else None
         config = read_config(folder) if folder is not None and folder.is_dir() else None

@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 
@@ -36,6 +37,16 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
+    return value
+
+
 def model_width(text: str) -> int:
     width = positive_int(text)
     if width % 8:
@@ -60,7 +71,7 @@ def add_diagnose_command(commands) -> argparse.ArgumentParser:
     diagnose.add_argument("--hidden-size", type=model_width,
                           help=f"model width, a multiple of 8 (default {full.hidden_size}; "
                                f"--quick: {quick.hidden_size})")
-    diagnose.add_argument("--lr", type=float, help=f"peak learning rate (default {full.lr:g})")
+    diagnose.add_argument("--lr", type=positive_float, help=f"peak learning rate (default {full.lr:g})")
     diagnose.add_argument("--seed", type=int, help=f"seed of every initialization and batch (default {full.seed})")
     diagnose.add_argument("--out", default=DEFAULT_OUTPUT, help=f"report folder (default ./{DEFAULT_OUTPUT})")
     diagnose.add_argument("--quick", action="store_true", help="small depths and few steps: about a minute")

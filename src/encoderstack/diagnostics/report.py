@@ -42,6 +42,10 @@ class ReportSettings:
     lr: float = 1e-3
     seed: int = 0
 
+    def __post_init__(self):
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr}")
+
     @property
     def warmup_steps(self) -> int:
         return round(WARMUP_FRACTION * self.steps)
