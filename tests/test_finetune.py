@@ -312,3 +312,21 @@ def test_the_command_reports_bad_data_in_one_line(tiny, tmp_path, no_model_load,
                  str(tmp_path / "out")]) == 2
     error = capsys.readouterr().err
     assert error == f"encoderstack: error: {data}: line 2: not UTF-8 text (invalid start byte at byte 11)\n"
+
+
+def test_packing_trains_token_classification_on_flattened_batches_like_the_padded_run(tiny, tmp_path):
+    """Same data, same seed: the flattening collator's run ends where the padded one does (one loss, no padding)."""
+    ner = "\n".join(json.dumps({"tokens": ["Ada", "lives", "in", city, "now"][: 3 + i % 3],
+                                "tags": ["B-PER", "O", "O", "B-LOC", "O"][: 3 + i % 3]})
+                    for i, city in enumerate(("Paris", "Rome", "Oslo", "Lima", "Kyiv", "Quito")))
+    data = write(tmp_path / "n.jsonl", ner)
+    runs = {packing: finetune(tiny, tmp_path / f"out-{packing}", task="token-classification", train=data, eval=data,
+                              epochs=2, batch_size=3, packing=packing, optim="sgd") for packing in (False, True)}
+    assert runs[True]["settings"]["packing"] is True
+    assert runs[True]["after"]["loss"] == pytest.approx(runs[False]["after"]["loss"], abs=1e-5)
+    assert runs[True]["after"]["loss"] < runs[True]["before"]["loss"]
+
+
+def test_packing_is_refused_for_tasks_whose_labels_the_flattening_collator_cannot_carry(tiny, tmp_path):
+    with pytest.raises(FinetuneError, match="text-classification needs per-sequence labels"):
+        finetune(tiny, tmp_path / "out", packing=True)

@@ -78,7 +78,7 @@ def finetune_command(args) -> int:
     record = finetune(model, args.output, task=args.task, epochs=args.epochs, batch_size=args.batch_size,
                       learning_rate=args.lr, max_length=args.max_length, seed=args.seed,
                       gradient_accumulation_steps=args.gradient_accumulation_steps, force=args.force,
-                      optim=args.optim, **defaults)
+                      optim=args.optim, packing=args.packing, **defaults)
     print(f"fine-tuned {model} on {record['train']} ({record['train_rows']} rows) -> {args.output}")
     for name in (name for name in record["after"] if name != "loss"):
         print(f"  {name} on {record['eval']}: {record['before'][name]:.3f} before -> {record['after'][name]:.3f} after")
@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--seed", type=int, default=42)
     tune.add_argument("--gradient-accumulation-steps", type=positive_int, default=1)
     tune.add_argument("--optim", default="adamw_torch", help="any TrainingArguments optim, e.g. sgd")
+    tune.add_argument("--packing", action="store_true",
+                      help="token classification: each batch as one flattened row (DataCollatorWithFlattening)")
     tune.add_argument("--force", action="store_true", help="replace an existing output folder")
     tune.set_defaults(run=finetune_command)
 

@@ -37,10 +37,11 @@ class EncoderStackConfig(PreTrainedConfig):
         ResiDual only: constant factor on every update of the un-normalized stream. The final norm makes it
         exact in real arithmetic; a value below 1 keeps that stream from overflowing in low precision.
     padding_free (`bool`, defaults to `True`):
-        When the attention mask has padding, run on the real tokens only: gather them once, do the position-wise
-        work on them and attention per sequence, scatter once at the end (padded positions of every per-token
-        output are then 0). Same numbers on real tokens; `False` runs the padded batch as BERT does. The
-        `padding_free` argument of `forward` overrides it per call.
+        When the attention mask has padding, run on the real tokens only: gather them once into one packed row, do
+        the position-wise work on them and attention per sequence (one call per sequence on CPU, one varlen kernel
+        call on a GPU that has one), scatter once at the end (padded positions of every per-token output are then
+        0). Same numbers on real tokens; `False` runs the padded batch as BERT does (flattened rows then get a
+        block-diagonal mask). The `padding_free` argument of `forward` overrides it per call.
     """
 
     model_type = "encoderstack"

@@ -213,7 +213,11 @@ TASKS = {
 }
 
 
-def collator(task: Task, tokenizer):
+def collator(task: Task, tokenizer, packing: bool = False):
+    """Padding to each batch's longest row, or with `packing`, the batch as one flattened row (no padding at all):
+    transformers' `DataCollatorWithFlattening`, for token-level tasks (it carries token labels only)."""
+    if packing:
+        return transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     if task.name == "token-classification":
         return transformers.DataCollatorForTokenClassification(tokenizer)
     return transformers.DataCollatorWithPadding(tokenizer)
@@ -309,7 +313,7 @@ def load_tokenizer(model, config):
 
 def finetune(model, output, task="text-classification", train=DATA / "train.csv", eval=None,
              epochs=3.0, batch_size=16, learning_rate=1e-4, max_length=128, seed=42,
-             gradient_accumulation_steps=1, force=False, **training_args) -> dict:
+             gradient_accumulation_steps=1, force=False, packing=False, **training_args) -> dict:
     """Fine-tune `model` (an EncoderStack or BERT folder) on `train`, keep the best checkpoint by `eval`, and
     write it to `output` with its tokenizer, `finetune.json` (data, settings, metrics) and `loss.png`. `eval`
     defaults to the shipped held-out set only when `train` is the shipped training set.
@@ -324,6 +328,9 @@ def finetune(model, output, task="text-classification", train=DATA / "train.csv"
         raise FinetuneError("the loss plot needs matplotlib: pip install 'encoderstack[plots]'") from None
     if task not in TASKS:
         raise FinetuneError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    if packing and task != "token-classification":
+        raise FinetuneError(f"packing flattens each batch into one row with token labels only; {task} needs "
+                            "per-sequence labels or span positions the flattening collator does not carry")
     if eval is None:
         if Path(train) != DATA / "train.csv":  # scoring your data's model on the shipped reviews would look plausible
             raise FinetuneError(f"{train}: no evaluation data given for it (eval, --eval)")
@@ -372,25 +379,25 @@ def finetune(model, output, task="text-classification", train=DATA / "train.csv"
             "train_rows": len(train_set), "eval_rows": len(eval_set), "labels": labels,
             "settings": {"epochs": epochs, "batch_size": batch_size, "learning_rate": learning_rate,
                          "gradient_accumulation_steps": gradient_accumulation_steps, "max_length": max_length,
-                         "seed": seed, "world_size": args.world_size},
-        })
+                         "seed": seed, "world_size": args.world_size, "packing": packing},
+        }, packing)
     finally:  # the best checkpoint is in `output` by now, or the run failed: either way the rest is scratch
         if args.should_save:
             shutil.rmtree(checkpoints, ignore_errors=True)
 
 
 def train_and_save(network, tokenizer, args, spec: Task, train_set, eval_set, destination: OutputFolder,
-                   record: dict) -> dict:
+                   record: dict, packing: bool = False) -> dict:
     trainer = transformers.Trainer(model=network, args=args, train_dataset=train_set, eval_dataset=eval_set,
-                                   data_collator=collator(spec, tokenizer), compute_metrics=spec.metrics)
+                                   data_collator=collator(spec, tokenizer, packing), compute_metrics=spec.metrics)
     # The starting point is scored after training, on a copy: under DDP (transformers 5.24) a Trainer.evaluate()
     # before train() changes what the processes then train (measured: 3e-2 off the one-process weights).
     baseline = copy.deepcopy(network)
     trainer.train()
     history = list(trainer.state.log_history)
     after = trainer.evaluate()  # the best checkpoint, reloaded by load_best_model_at_end
-    before = transformers.Trainer(model=baseline, args=args, eval_dataset=eval_set, data_collator=collator(spec, tokenizer),
-                                  compute_metrics=spec.metrics).evaluate()
+    before = transformers.Trainer(model=baseline, args=args, eval_dataset=eval_set,
+                                  data_collator=collator(spec, tokenizer, packing), compute_metrics=spec.metrics).evaluate()
     del baseline
     record = {**record, "before": scores(before), "after": scores(after),
               "best_checkpoint_step": int(Path(trainer.state.best_model_checkpoint).name.split("-")[-1])}
