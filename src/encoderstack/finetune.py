@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import transformers
 
-from .conversion.converter import OutputFolder
 from .hub_card import write_card
+from .output_folder import OutputFolder
 
 DATA = Path(__file__).parent / "data" / "sentiment"
 
@@ -189,6 +189,7 @@ def finetune(model, output, task="text-classification", train=DATA / "train.csv"
         import matplotlib  # noqa: F401  (fail before training, not after it)
     except ImportError:
         raise DataError("the loss plot needs matplotlib: pip install 'encoderstack[plots]'") from None
+    destination = OutputFolder(output, force, inputs=[model, train, eval])  # before any work: the output is usable
     spec = TASKS[task]
     train_rows, eval_rows = read_rows(train), read_rows(eval)
     require(train_rows, train, spec.columns)
@@ -206,7 +207,6 @@ def finetune(model, output, task="text-classification", train=DATA / "train.csv"
     transformers.set_seed(seed)
     label_config = {"num_labels": len(labels), "id2label": dict(enumerate(labels)), "label2id": label2id} if labels else {}
     network = getattr(encoderstack, spec.model_class).from_pretrained(model, **label_config)
-    destination = OutputFolder(output, force)
     args = transformers.TrainingArguments(
         output_dir=str(destination.path.parent / f".{destination.path.name}.checkpoints"),
         num_train_epochs=epochs, per_device_train_batch_size=batch_size, per_device_eval_batch_size=batch_size,

@@ -126,7 +126,11 @@ def _sharded(folder: Path, index_name: str) -> list[Path]:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ConversionError(f"{index}: not a readable shard index ({error})") from None
-    files = [folder / name for name in sorted(set(weight_map.values()))]
+    names = sorted(set(weight_map.values()))
+    for name in names:  # a shard index names files of its own folder; anything else is a crafted index
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ConversionError(f"{index}: shard {name!r} lies outside the folder {folder}; not read")
+    files = [folder / name for name in names]
     for file in files:
         if not file.is_file():
             raise ConversionError(f"{index}: shard {file.name} is missing")
