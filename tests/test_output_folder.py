@@ -258,6 +258,12 @@ def test_a_sigterm_during_the_write_leaves_no_partial_folder(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_default_sigterm_action_is_back_once_the_folder_is_published(tmp_path):
+    with OutputFolder(tmp_path / "out", force=False):
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 def test_a_programs_own_sigterm_handler_stays_in_charge_and_is_restored(tmp_path):
     calls = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
