@@ -232,6 +232,15 @@ def test_an_output_in_a_folder_that_refuses_new_entries_is_refused(source, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bert"]
 
 
+def test_a_folder_that_appears_during_the_work_is_not_replaced_without_force(tmp_path):
+    with pytest.raises(OutputFolderError, match="already exists; pass --force"):
+        with OutputFolder(tmp_path / "out", force=False) as partial:
+            (partial / "result.txt").write_text("ours")
+            folder_with(tmp_path / "out", {"precious.txt": "made meanwhile"})
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["precious.txt"]
+
+
 def test_parents_made_for_an_output_that_failed_are_removed(tmp_path):
     with pytest.raises(RuntimeError):
         with OutputFolder(tmp_path / "a" / "b" / "out", force=False):

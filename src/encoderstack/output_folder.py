@@ -79,16 +79,15 @@ class OutputFolder:
 
     Everything is checked here, before any work: the inputs (`inputs`: the files and folders the result is made
     from) may not lie inside the output, nor the output inside them; an existing output is replaced only with
-    `force` and only when `replaceable`; the nearest existing folder above must take a new folder."""
+    `force` and only when it is ours or empty (checked again before publishing: the work may take hours); the
+    nearest existing folder above must take a new folder."""
 
     def __init__(self, path, force: bool, inputs=()):
         self.path = Path(path).absolute()
+        self.force = force
         for source in (Path(item).absolute() for item in inputs if os.path.lexists(item)):
             self._refuse_overlap(source)
-        if os.path.lexists(self.path):
-            if not force:
-                raise OutputFolderError(f"{self.path} already exists; pass --force (force=True) to replace it")
-            self._refuse_unless_replaceable()
+        self._refuse_existing()
         self._probe_writable()
 
     def _refuse_overlap(self, source: Path):
@@ -101,7 +100,11 @@ class OutputFolder:
             raise OutputFolderError(f"{self.path}: the source {source} lies inside the output folder; "
                                     "replacing the folder would delete it")
 
-    def _refuse_unless_replaceable(self):
+    def _refuse_existing(self):
+        if not os.path.lexists(self.path):
+            return
+        if not self.force:
+            raise OutputFolderError(f"{self.path} already exists; pass --force (force=True) to replace it")
         reason = None
         if self.path.is_symlink():
             reason = "it is a symbolic link (name the folder it points to)"
@@ -168,6 +171,7 @@ class OutputFolder:
         return False
 
     def _publish(self):
+        self._refuse_existing()
         umask = os.umask(0)
         os.umask(umask)
         try:
