@@ -250,11 +250,12 @@ def test_parents_made_for_an_output_that_failed_are_removed(tmp_path):
 
 # --- signals, permissions ----------------------------------------------------------------------------------------
 
-def test_a_sigterm_during_the_write_leaves_no_partial_folder(tmp_path):
+def test_a_sigterm_during_the_write_leaves_no_partial_folder_and_lets_the_callers_cleanup_run(tmp_path):
+    here, out = str(tmp_path), str(tmp_path / "out")
     script = textwrap.dedent(f"""
-        import sys, time
+        import tempfile, time
         from encoderstack.output_folder import OutputFolder
-        with OutputFolder({str(tmp_path / "out")!r}, force=False) as partial:
+        with tempfile.TemporaryDirectory(dir={here!r}), OutputFolder({out!r}, force=False) as partial:
             (partial / "half.bin").write_bytes(b"0" * 1000)
             print("writing", flush=True)
             time.sleep(60)
@@ -263,7 +264,7 @@ def test_a_sigterm_during_the_write_leaves_no_partial_folder(tmp_path):
     assert process.stdout.readline() == "writing\n"
     assert len(hidden_leftovers(tmp_path)) == 1  # the partial folder exists while it writes
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == -signal.SIGTERM  # still dies by the signal, as it would have
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM  # the shell's status for death by that signal
     assert list(tmp_path.iterdir()) == []
 
 

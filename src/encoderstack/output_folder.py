@@ -28,12 +28,13 @@ class OutputFolderError(ValueError):
     """An output folder that cannot be written, or that must not be replaced; the message says why."""
 
 
-class Terminated(BaseException):
-    """A terminating signal inside an OutputFolder: unwinds to its cleanup, which then lets the signal kill us."""
+class Terminated(SystemExit):
+    """A terminating signal inside an OutputFolder: unwinds through every cleanup (ours and the caller's), then exits
+    quietly with the shell's status for that signal, 128 + its number."""
 
 
 def _terminate(signum, frame):
-    raise Terminated(signum)
+    raise Terminated(128 + signum)
 
 
 @contextmanager
@@ -166,8 +167,6 @@ class OutputFolder:
                     self._remove_created()
                 for signum, handler in self.handlers.items():
                     signal.signal(signum, handler)
-                if isinstance(error, Terminated):
-                    os.kill(os.getpid(), error.args[0])  # delivered, with the default action, once unblocked
         return False
 
     def _publish(self):
