@@ -215,15 +215,26 @@ def test_an_existing_report_folder_is_refused_without_force_before_any_work(tmp_
     assert [path.name for path in out.iterdir()] == ["notes.txt"]
 
 
-def test_force_replaces_an_existing_report_folder(tmp_path):
+def test_force_replaces_an_earlier_report_folder(tmp_path):
     out = tmp_path / "report"
-    out.mkdir()
+    settings = ("--layers", "1", "--placements", "post", "--steps", "2", "--hidden-size", "16", "--out", str(out))
+    assert diagnose(*settings) == 0
     (out / "notes.txt").write_text("old")
 
-    assert diagnose("--layers", "1", "--placements", "post", "--steps", "2", "--hidden-size", "16", "--out", str(out),
-                    "--force") == 0
+    assert diagnose(*settings, "--force") == 0
 
     assert not (out / "notes.txt").exists() and (out / "index.md").exists()
+
+
+def test_force_refuses_a_folder_that_is_not_a_report(tmp_path, capsys):
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+
+    assert diagnose(*TINY_REPORT, "--out", str(out), "--force") == 2
+
+    assert "not replaced: encoderstack did not write it" in capsys.readouterr().err
+    assert [path.name for path in out.iterdir()] == ["notes.txt"]
 
 
 def test_without_matplotlib_the_report_fails_with_how_to_install_it(tmp_path, monkeypatch):

@@ -375,3 +375,16 @@ def test_trainer_with_the_flattening_collator_accumulates_exactly(tmp_path):
         weights.append({name: p.detach().clone() for name, p in model.named_parameters()})
     for name, value in weights[0].items():
         torch.testing.assert_close(weights[1][name], value, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_cu_seq_lens_over_several_rows_give_each_token_its_position_in_its_own_sequence():
+    model = build(EncoderStackModel)
+    seqs = sequences((3, 5, 4, 4))
+    rows = {key: torch.cat([s[key] for s in seqs]).view(2, 8) for key in ("input_ids", "token_type_ids")}
+    cu_seq_lens = torch.tensor([0, 3, 8, 12, 16], dtype=torch.int32)
+    with torch.no_grad():
+        expected = per_sequence_outputs(model, EncoderStackModel, seqs)
+        actual = model(**rows, cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens)
+    torch.testing.assert_close(actual.last_hidden_state.view(1, 16, -1), expected["last_hidden_state"], atol=1e-5,
+                               rtol=0)
+    torch.testing.assert_close(actual.pooler_output, expected["pooler_output"], atol=1e-5, rtol=0)

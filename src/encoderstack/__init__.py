@@ -38,11 +38,13 @@ _register()
 from .conversion import ConversionError, convert, export_bert  # noqa: E402  (after registration: it needs it)
 from .hub import push_folder  # noqa: E402  (also makes every model's push_to_hub publish the EncoderStack way)
 from .hub_card import HubError, build_card, write_card  # noqa: E402
+from .output_folder import OutputFolderError  # noqa: E402
 
 __all__ = [
     "AUTO_MAP",
     "ConversionError",
     "HubError",
+    "OutputFolderError",
     "build_card",
     "convert",
     "export_bert",

@@ -147,10 +147,11 @@ def main(argv=None) -> int:
     from .conversion.tf_checkpoint import TFCheckpointError
     from .finetune import FinetuneError
     from .hub_card import HubError
+    from .output_folder import OutputFolderError
 
     try:
         return args.run(args)
-    except (ConversionError, TFCheckpointError, FinetuneError, HubError) as error:
+    except (ConversionError, TFCheckpointError, FinetuneError, HubError, OutputFolderError) as error:
         print("encoderstack: error: " + " ".join(str(error).split()), file=sys.stderr)
         return 2
 

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 import transformers
 
-from .conversion.converter import OutputFolder
 from .conversion.keymap import FAMILIES, task_for_architecture
 from .hub_card import write_card
 from .jsonfile import read_json_object
+from .output_folder import OutputFolder
 
 DATA = Path(__file__).parent / "data" / "sentiment"
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
@@ -335,6 +335,7 @@ def finetune(model, output, task="text-classification", train=DATA / "train.csv"
         if Path(train) != DATA / "train.csv":  # scoring your data's model on the shipped reviews would look plausible
             raise FinetuneError(f"{train}: no evaluation data given for it (eval, --eval)")
         eval = DATA / "dev.csv"
+    destination = OutputFolder(output, force, inputs=[model, train, eval])  # before any work: the output is usable
     spec = TASKS[task]
     config = model_config(model)
     train_rows, eval_rows = read_rows(train), read_rows(eval)
@@ -345,7 +346,6 @@ def finetune(model, output, task="text-classification", train=DATA / "train.csv"
         raise DataError(f"{train}: every row has the label {labels[0]!r}; a classifier needs at least two")
     labels = training_labels(config, model, spec, labels)
     label2id = {label: i for i, label in enumerate(labels)}
-    destination = OutputFolder(output, force)
     tokenizer = load_tokenizer(model, config)
     absolute = config.get("position_embedding_type", "absolute") == "absolute"
     positions = config.get("max_position_embeddings") if absolute else None

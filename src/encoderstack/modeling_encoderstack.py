@@ -180,10 +180,10 @@ class PackedSequences:
         return torch.arange(len(self.lengths), device=lengths.device).repeat_interleave(lengths).view(self.shape)
 
     def position_ids(self) -> torch.Tensor:
-        """(1, tokens): each token's position within its own sequence."""
+        """(batch, seq) of flattened rows: each token's position within its own sequence."""
         lengths = torch.tensor(self.lengths, device=self.cu_seq_lens.device)
         starts = self.cu_seq_lens[:-1].long().repeat_interleave(lengths)
-        return (torch.arange(starts.numel(), device=starts.device) - starts).unsqueeze(0)
+        return (torch.arange(starts.numel(), device=starts.device) - starts).view(self.shape)
 
     def first_tokens(self, packed: torch.Tensor) -> torch.Tensor:
         """(1, tokens, ...) -> (sequences, ...): the first token of every sequence."""

@@ -27,6 +27,7 @@ from ..hub_card import write_card
 from ..jsonfile import read_json_object
 from ..configuration_encoderstack import EncoderStackConfig
 from ..modeling_encoderstack import AUTO_MAP
+from ..output_folder import OutputFolder
 from .keymap import (
     BERT_FIELDS,
     ENCODER_KEYS,
@@ -350,39 +351,28 @@ def write_encoderstack_folder(folder: Path, source: Source, conversion: Plan) ->
 
 
 def copy_other_files(source: Source, folder: Path) -> None:
-    """Every file of the source that is not the checkpoint itself (tokenizer, sentence-transformers modules, ...)."""
+    """Every file of the source that is not the checkpoint itself (tokenizer, sentence-transformers modules, ...).
+
+    A link that leads out of the source folder is refused: the output may be published, and a checkout can hold a
+    link to any file of the machine. (A Hub snapshot's files are links into the Hub cache, which is allowed.)"""
+    from huggingface_hub import constants
+
+    roots = [Path(os.path.realpath(path)) for path in (source.folder, constants.HF_HUB_CACHE)]
+
+    def copy_inside(item, destination):
+        real = Path(os.path.realpath(item))
+        if not any(root == real or root in real.parents for root in roots):
+            raise ConversionError(f"{item}: a link to {real}, outside the source folder; not copied (copy the "
+                                  "file into the folder to include it)")
+        shutil.copyfile(item, destination)
+
     for item in sorted(source.folder.iterdir()):
         if item.name in source.own_files or item.name.startswith(".") or (folder / item.name).exists():
             continue
         if item.is_dir():
-            shutil.copytree(item, folder / item.name)
+            shutil.copytree(item, folder / item.name, copy_function=copy_inside)
         elif item.is_file():
-            shutil.copyfile(item, folder / item.name)
-
-
-class OutputFolder:
-    """A folder that appears only when complete: built in a hidden sibling, renamed into place on success."""
-
-    def __init__(self, path, force: bool):
-        self.path = Path(path).absolute()
-        if self.path.exists() and not force:
-            raise ConversionError(f"{self.path} already exists; pass --force (force=True) to replace it")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def __enter__(self) -> Path:
-        self.partial = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.partial-", dir=self.path.parent))
-        return self.partial
-
-    def __exit__(self, error_type, error, traceback):
-        if error_type is not None:
-            shutil.rmtree(self.partial, ignore_errors=True)
-            return False
-        if self.path.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.old-", dir=self.path.parent))
-            os.replace(self.path, retired / "old")
-            shutil.rmtree(retired, ignore_errors=True)
-        os.replace(self.partial, self.path)
-        return False
+            copy_inside(item, folder / item.name)
 
 
 def convert(source_path, output_path, task: str | None = None, verify: bool = True, force: bool = False,
@@ -397,9 +387,7 @@ def convert(source_path, output_path, task: str | None = None, verify: bool = Tr
     source = open_source(source_path, gelu=gelu, lowercase=lowercase)
     try:
         conversion = plan(source, task)
-        output = OutputFolder(output_path, force)
-        if output.path == source.folder.absolute() or source.folder.absolute() in output.path.parents:
-            raise ConversionError(f"{output.path}: the output folder must lie outside the source folder")
+        output = OutputFolder(output_path, force, inputs=[source.folder])
         with output as folder, ThreadPoolExecutor(1) as hasher:
             # hashing the source (for the record) overlaps the write: hashlib releases the GIL on large reads
             digests = {file.name: hasher.submit(sha256, file) for file in source.tensors.files}
@@ -480,7 +468,7 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
             raise ConversionError(f"{folder}: tensor {key!r} has no BERT counterpart")
         mapped[bert] = (key, False)
     bert_config = {name: getattr(config, name) for name in BERT_FIELDS}
-    output = OutputFolder(output_path, force)
+    output = OutputFolder(output_path, force, inputs=[folder])
     with output as partial:
         transformers.BertConfig(**bert_config, num_labels=config.num_labels,
                                 architectures=["Bert" + task.bert_suffix]).save_pretrained(partial)
@@ -488,6 +476,8 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
         skip = set(WEIGHT_FILE_NAMES) | {"config.json", "conversion.json", "configuration_encoderstack.py",
                                          "modeling_encoderstack.py"}
         copy_other_files(Source(folder, {}, tensors, {}, own_files=tuple(skip)), partial)
+        record = {"encoderstack_version": __version__, "exported_from": str(encoderstack_path)}
+        (partial / "export.json").write_text(json.dumps(record, indent=2) + "\n")
     tensors.close()
     return output.path
 

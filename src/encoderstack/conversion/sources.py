@@ -147,7 +147,11 @@ def _sharded(folder: Path, index_name: str) -> list[Path]:
     if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
         raise ConversionError(f"{index}: weight_map must be an object of tensor name -> shard file name, "
                               f"got {type(weight_map).__name__}")
-    files = [folder / name for name in sorted(set(weight_map.values()))]
+    names = sorted(set(weight_map.values()))
+    for name in names:  # a shard index names files of its own folder; anything else is a crafted index
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ConversionError(f"{index}: shard {name!r} lies outside the folder {folder}; not read")
+    files = [folder / name for name in names]
     for file in files:
         if not file.is_file():
             raise ConversionError(f"{index}: shard {file.name} is missing")

@@ -7,7 +7,7 @@ import sys
 import time
 
 from ..configuration_encoderstack import NORM_PLACEMENTS
-from ..conversion import ConversionError
+from ..output_folder import OutputFolderError
 from .report import QUICK, ReportSettings, run_report
 
 DEFAULT_OUTPUT = "encoderstack-diagnostics"
@@ -88,7 +88,7 @@ def diagnose_command(args) -> int:
     start = time.perf_counter()
     try:
         folder = run_report(args.out, settings, force=args.force, progress=print)
-    except (ConversionError, ImportError) as error:
+    except (OutputFolderError, ImportError) as error:
         print(f"encoderstack: error: {error}", file=sys.stderr)
         return 2
     print(f"wrote {folder / 'index.md'} in {time.perf_counter() - start:.0f} s")

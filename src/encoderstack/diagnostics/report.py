@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..configuration_encoderstack import NORM_PLACEMENTS
-from ..conversion.converter import OutputFolder
+from ..output_folder import OutputFolder
 from .measure import activation_rms_per_layer, consecutive_layer_similarity, gradient_norms_per_layer
 from .plots import require_matplotlib, write_figures
 from .synthetic import (
