@@ -224,7 +224,8 @@ def flattened_rows(position_ids, real, shape, device, kwargs) -> PackedSequences
 def packing_from_cu_seq_lens(cu_seq_lens, kwargs, shape, device) -> PackedSequences:
     cu_seq_lens_k = kwargs.get("cu_seq_lens_k")
     if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k.to(cu_seq_lens.device), cu_seq_lens):
-        raise ValueError("`cu_seq_lens_k` must equal `cu_seq_lens_q`: an encoder's queries and keys are the same tokens.")
+        raise ValueError("`cu_seq_lens_k` must equal `cu_seq_lens_q`: an encoder's queries and keys are the same "
+                         "tokens.")
     bounds = cu_seq_lens.tolist() if cu_seq_lens.dim() == 1 and not cu_seq_lens.is_floating_point() else None
     tokens = shape[0] * shape[1]
     if not bounds or bounds[0] != 0 or bounds[-1] != tokens or any(b < a for a, b in zip(bounds, bounds[1:])):
@@ -234,7 +235,8 @@ def packing_from_cu_seq_lens(cu_seq_lens, kwargs, shape, device) -> PackedSequen
     for name in ("max_length_q", "max_length_k"):
         given = kwargs.get(name)
         if given is not None and int(given) < max(lengths):
-            raise ValueError(f"`{name}` is {int(given)}, but `cu_seq_lens_q` holds a sequence of {max(lengths)} tokens.")
+            raise ValueError(f"`{name}` is {int(given)}, but `cu_seq_lens_q` holds a sequence of {max(lengths)} "
+                             "tokens.")
     return PackedSequences(lengths, shape, device)
 
 
@@ -439,6 +441,7 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["EncoderStackEmbeddings", "EncoderStackLayer"]
     _supports_sdpa = True
     _supports_flex_attn = True
+    _supports_flash_attn = True  # packed sequences reach it as cu_seq_lens_q/k (tested with a stand-in: no GPU here)
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": EncoderStackLayer, "attentions": EncoderStackAttention}
 
@@ -544,7 +547,8 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         pooled = None
         if self.pooler is not None:
             flattened = packing is not None and packing.flattened
-            pooled = self.pooler(packing.first_tokens(packing.pack(hidden_states)) if flattened else hidden_states[:, 0])
+            first_tokens = packing.first_tokens(packing.pack(hidden_states)) if flattened else hidden_states[:, 0]
+            pooled = self.pooler(first_tokens)
         return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooled)
 
     def packing_for(self, attention_mask, position_ids, padding_free, shape, device, kwargs) -> PackedSequences | None:
@@ -595,7 +599,8 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
         hidden = self.config.hidden_size
-        if inputs_embeds is not None and (not inputs_embeds.is_floating_point() or inputs_embeds.shape[-1:] != (hidden,)):
+        if inputs_embeds is not None and (not inputs_embeds.is_floating_point()
+                                          or inputs_embeds.shape[-1:] != (hidden,)):
             raise ValueError(f"`inputs_embeds` must be floating point of shape (batch, sequence, {hidden}), got "
                              f"{tuple(inputs_embeds.shape)} of {inputs_embeds.dtype}.")
         shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1])
