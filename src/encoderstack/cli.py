@@ -69,7 +69,7 @@ def export_command(args) -> int:
 
 
 def quantization_table(quantization: dict) -> str:
-    lines = [f"int8 ({quantization['file']}) against float32 in ONNX Runtime, on the verification text"]
+    lines = [f"int8 ({quantization['file']}) against float32 in ONNX Runtime ({quantization['inputs']})"]
     for row in quantization["results"]:
         agreement = f", argmax agreement {row['argmax_agreement']:.1%}" if "argmax_agreement" in row else ""
         lines.append(f"  {row['output']}: cosine min {row['min_cosine']:.4f}, mean {row['mean_cosine']:.4f}{agreement}")

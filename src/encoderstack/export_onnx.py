@@ -251,7 +251,7 @@ def int8_agreement(fp32, int8, names, batches: list[dict], base: bool) -> list[d
     return results
 
 
-def quantize_int8(folder: Path, session, names, batches: list[dict], base: bool, force: bool) -> dict:
+def quantize_int8(folder: Path, session, names, batches: list[dict], inputs: str, base: bool, force: bool) -> dict:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     target = folder / "model_quantized.onnx"
@@ -263,10 +263,10 @@ def quantize_int8(folder: Path, session, names, batches: list[dict], base: bool,
     results = int8_agreement(session, onnx_session(target), names, batches, base)
     worst = min(row["min_cosine"] for row in results)
     if worst < MIN_INT8_COSINE and not force:
-        raise ExportError(f"int8 cosine similarity to fp32 is {worst:.4f} on the verification text, below "
+        raise ExportError(f"int8 cosine similarity to fp32 is {worst:.4f} on the verification inputs ({inputs}), below "
                           f"{MIN_INT8_COSINE}; pass --force (force=True) to keep model_quantized.onnx anyway")
     return {"file": target.name, "method": "onnxruntime.quantization.quantize_dynamic, QInt8 per-channel weights",
-            "threshold": MIN_INT8_COSINE, "min_cosine": worst, "accepted": worst >= MIN_INT8_COSINE,
+            "inputs": inputs, "threshold": MIN_INT8_COSINE, "min_cosine": worst, "accepted": worst >= MIN_INT8_COSINE,
             "results": results}
 
 
@@ -335,8 +335,8 @@ def export_onnx(model_or_folder, out, task: str | None = None, opset: int | None
         if verify:
             report["parity"] = check_parity(model, names, session, path, batches, described)
         if quantize == "int8":
-            report["quantization"] = quantize_int8(folder, session, names, batches, isinstance(model, EncoderStackModel),
-                                                   force)
+            report["quantization"] = quantize_int8(folder, session, names, batches, described,
+                                                   isinstance(model, EncoderStackModel), force)
         report["files"] = {file.name: sha256(file) for file in sorted(folder.iterdir()) if ".onnx" in file.name}
         report["sha256"] = report["files"]["model.onnx"]
         (folder / "export.json").write_text(json.dumps(report, indent=2) + "\n")
