@@ -22,15 +22,13 @@ from . import __version__, modeling_encoderstack
 from .configuration_encoderstack import EncoderStackConfig
 from .conversion.converter import OutputFolder, sha256
 from .conversion.keymap import TASKS, ConversionError
-from .conversion.verify import real, sample_batches
+from .conversion.verify import OUTPUTS, real, sample_batches
 from .jsonfile import read_json_object
 from .modeling_encoderstack import EncoderStackForMultipleChoice, EncoderStackModel, EncoderStackPreTrainedModel
 
 TOLERANCE = 1e-4
 MIN_INT8_COSINE = 0.99
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-OUTPUTS = ("last_hidden_state", "pooler_output", "logits", "prediction_logits", "seq_relationship_logits",
-           "start_logits", "end_logits")
 EXTERNAL_DATA_OVER = 2 * 1024**3  # protobuf's limit on one file
 QUANTIZATIONS = ("int8",)
 
@@ -118,6 +116,10 @@ def multiple_choice(model) -> bool:
     return isinstance(model, EncoderStackForMultipleChoice)
 
 
+def axes(choices: bool) -> tuple[str, ...]:
+    return ("batch_size", "num_choices", "sequence_length") if choices else ("batch_size", "sequence_length")
+
+
 def example_inputs(config, choices: bool) -> dict:
     """What the export traces: a shape that no verification batch has (3 x 8, or 3 x 3 choices x 8), padded."""
     generator = torch.Generator().manual_seed(0)
@@ -136,8 +138,7 @@ def output_names(model, inputs) -> list[str]:
 
 def export_graph(graph: PaddedGraph, inputs: dict, choices: bool, path: Path, opset: int | None) -> int:
     """Trace and save; returns the opset of the saved file. Weights go to `model.onnx_data` beside it over 2 GB."""
-    axes = ("batch_size", "num_choices", "sequence_length") if choices else ("batch_size", "sequence_length")
-    dims = [torch.export.Dim(axis) for axis in axes]
+    dims = [torch.export.Dim(axis) for axis in axes(choices)]
     dynamic = {name: dict(enumerate(dims)) for name in INPUTS}
     try:
         with quiet("torch.onnx"):
@@ -331,8 +332,7 @@ def export_onnx(model_or_folder, out, task: str | None = None, opset: int | None
             "norm_placement": model.config.norm_placement,
             "graph": "padded path (padding_free=False), float32",
             "opset": opset_used,
-            "inputs": {name: "int64 [" + ", ".join(("batch_size", "num_choices", "sequence_length") if choices
-                                                   else ("batch_size", "sequence_length")) + "]" for name in INPUTS},
+            "inputs": {name: f"int64 [{', '.join(axes(choices))}]" for name in INPUTS},
             "outputs": names,
             "versions": versions(),
         }
