@@ -32,8 +32,8 @@ def export(ours, tokenizer, scratch: Path) -> Path:
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"export failed: {result.stderr.strip()}")
-    print("\n".join(line for line in result.stdout.splitlines() if any(word in line for word in ("parity", "int8",
-                                                                                               "cosine"))))
+    summary = [line for line in result.stdout.splitlines() if "parity" in line or "int8" in line or "cosine" in line]
+    print("\n".join(summary))
     return scratch / "onnx"
 
 
