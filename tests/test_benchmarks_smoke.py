@@ -20,6 +20,7 @@ RUNS = {
     "training.py": [*ONE_ROUND, "--sizes", "2x16", "--peak-size", "64"],
     "convert.py": ONE_ROUND,
     "attention.py": [*ONE_ROUND, "--sizes", "2x16"],
+    "onnx.py": [*ONE_ROUND, "--sizes", "2x16"],
 }
 
 

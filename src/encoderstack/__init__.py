@@ -36,6 +36,7 @@ def _register() -> None:
 _register()
 
 from .conversion import ConversionError, convert, export_bert  # noqa: E402  (after registration: it needs it)
+from .export_onnx import ExportError, export_onnx  # noqa: E402
 from .hub import push_folder  # noqa: E402  (also makes every model's push_to_hub publish the EncoderStack way)
 from .hub_card import HubError, build_card, write_card  # noqa: E402
 from .output_folder import OutputFolderError  # noqa: E402
@@ -43,11 +44,13 @@ from .output_folder import OutputFolderError  # noqa: E402
 __all__ = [
     "AUTO_MAP",
     "ConversionError",
+    "ExportError",
     "HubError",
     "OutputFolderError",
     "build_card",
     "convert",
     "export_bert",
+    "export_onnx",
     "push_folder",
     "write_card",
     "EncoderStackConfig",

@@ -68,6 +68,32 @@ def export_command(args) -> int:
     return 0
 
 
+def quantization_table(quantization: dict) -> str:
+    lines = [f"int8 ({quantization['file']}) against float32 in ONNX Runtime ({quantization['inputs']})"]
+    for row in quantization["results"]:
+        agreement = f", argmax agreement {row['argmax_agreement']:.1%}" if "argmax_agreement" in row else ""
+        lines.append(f"  {row['output']}: cosine min {row['min_cosine']:.4f}, mean {row['mean_cosine']:.4f}{agreement}")
+    verdict = "OK" if quantization["accepted"] else "BELOW THRESHOLD, kept by --force"
+    lines.append(f"int8 {verdict} (min cosine {quantization['min_cosine']:.4f}, threshold {quantization['threshold']})")
+    return "\n".join(lines)
+
+
+def export_onnx_command(args) -> int:
+    from . import export_onnx
+
+    folder = export_onnx(args.model, args.output, task=args.task, opset=args.opset, quantize=args.quantize,
+                         verify=not args.no_verify, force=args.force)
+    report = json.loads((folder / "export.json").read_text())
+    print(f"exported {args.model} -> {folder / 'model.onnx'}")
+    print(f"  {report['encoderstack_class']} (norm_placement={report['norm_placement']}), opset {report['opset']}, "
+          f"{report['graph']}; outputs: {', '.join(report['outputs'])}")
+    if "parity" in report:
+        print(parity_table(report["parity"]))
+    if "quantization" in report:
+        print(quantization_table(report["quantization"]))
+    return 0
+
+
 def finetune_command(args) -> int:
     from .finetune import finetune
 
@@ -134,6 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("output")
     export.add_argument("--force", action="store_true", help="replace an existing output folder")
     export.set_defaults(run=export_command)
+    onnx = commands.add_parser("export-onnx", help="export to ONNX (padded path) and verify it in ONNX Runtime")
+    onnx.add_argument("model", help="EncoderStack folder")
+    onnx.add_argument("output", help="output folder (model.onnx, config.json, tokenizer, export.json)")
+    onnx.add_argument("--task", choices=sorted(TASKS), help="head to load (default: the folder's architecture)")
+    onnx.add_argument("--opset", type=int, help="ONNX opset (default: torch.onnx's)")
+    onnx.add_argument("--quantize", choices=["int8"], help="also write model_quantized.onnx (dynamic int8)")
+    onnx.add_argument("--no-verify", action="store_true", help="skip the ONNX Runtime parity check")
+    onnx.add_argument("--force", action="store_true",
+                      help="replace an existing output folder; keep an int8 model below cosine 0.99")
+    onnx.set_defaults(run=export_onnx_command)
     add_hub_commands(commands)
     from .diagnostics import add_diagnose_command
 
@@ -145,13 +181,14 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from .conversion import ConversionError
     from .conversion.tf_checkpoint import TFCheckpointError
+    from .export_onnx import ExportError
     from .finetune import FinetuneError
     from .hub_card import HubError
     from .output_folder import OutputFolderError
 
     try:
         return args.run(args)
-    except (ConversionError, TFCheckpointError, FinetuneError, HubError, OutputFolderError) as error:
+    except (ConversionError, TFCheckpointError, FinetuneError, HubError, OutputFolderError, ExportError) as error:
         print("encoderstack: error: " + " ".join(str(error).split()), file=sys.stderr)
         return 2
 

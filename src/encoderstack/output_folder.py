@@ -15,12 +15,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # The record each command writes into its output folder, with keys it always has: how we know a folder is ours.
-RECORDS = {
-    "conversion.json": ("encoderstack_version", "mapped"),  # convert
-    "export.json": ("encoderstack_version", "exported_from"),  # export-bert
-    "finetune.json": ("base_model", "settings", "after"),  # finetune
-    "results.json": ("settings", "results"),  # diagnose
-}
+RECORDS = (
+    ("conversion.json", ("encoderstack_version", "mapped")),  # convert
+    ("export.json", ("encoderstack_version", "exported_from")),  # export-bert
+    ("export.json", ("encoderstack_version", "opset")),  # export-onnx
+    ("finetune.json", ("base_model", "settings", "after")),  # finetune
+    ("results.json", ("settings", "results")),  # diagnose
+)
 TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
@@ -72,7 +73,7 @@ def _record_is_ours(path: Path, keys: tuple) -> bool:
 
 
 def written_by_us(folder: Path) -> bool:
-    return any(_record_is_ours(folder / name, keys) for name, keys in RECORDS.items())
+    return any(_record_is_ours(folder / name, keys) for name, keys in RECORDS)
 
 
 class OutputFolder:
@@ -118,7 +119,7 @@ class OutputFolder:
                     break
             else:
                 if any(self.path.iterdir()) and not written_by_us(self.path):
-                    reason = (f"encoderstack did not write it (it holds none of {', '.join(RECORDS)}) and it is "
+                    reason = (f"encoderstack did not write it (it holds none of {', '.join(dict(RECORDS))}) and it is "
                               "not empty; remove it yourself or choose another output folder")
         if reason:
             raise OutputFolderError(f"{self.path}: not replaced: {reason}")

