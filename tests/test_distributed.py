@@ -79,8 +79,8 @@ def test_fsdp_full_shard_trains_each_rank_on_its_half_of_the_global_batch_of_one
     script = str(HERE / "distributed_train.py")
     (tmp_path / "one").mkdir()
     single = training_losses(launch([sys.executable, script, str(tiny), str(tmp_path / "one"), "8"], tmp_path))
-    sharded = training_losses(launch([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                      "--nproc_per_node", "2", script, str(tiny), str(tmp_path), "4", "fsdp"], tmp_path))
+    sharded = training_losses(launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                      "2", script, str(tiny), str(tmp_path), "4", "fsdp"], tmp_path))
     assert sorted(sharded) == [0, 1] and sharded[0] != sharded[1]  # each rank saw its own rows
     assert (sharded[0] + sharded[1]) / 2 == pytest.approx(single[0], abs=1e-6)
 

@@ -96,7 +96,7 @@ def sublayers(layer, attention_mask, config):
 
 
 def reference_stack(model, x, attention_mask):
-    """DESIGN.md §3, one line per placement; also ResiDual's `d` stream, scaled by `resi_dual_scale` s (s·x + s·Σf)."""
+    """DESIGN.md §3, one line per placement; also ResiDual's `d` stream under `resi_dual_scale` s: s·x + s·Σf."""
     config = model.config
     placement, n, s = config.norm_placement, config.num_hidden_layers, config.resi_dual_scale
     alpha = (2 * n) ** 0.25
