@@ -10,9 +10,9 @@ from conftest import PLACEMENTS, batch, build, real
 from encoderstack import EncoderStackModel
 
 
-def norm(module, x):
-    """LayerNorm (x - mean) / sqrt(var + eps) * w + b, or RMSNorm x / sqrt(mean(x^2) + eps) * w, written out."""
-    if isinstance(module, torch.nn.RMSNorm):
+def norm(module, x, norm_type):
+    """LayerNorm (x - mean) / sqrt(var + eps) * w + b, or RMSNorm x / sqrt(mean(x^2) + eps) * w, as the config says."""
+    if norm_type == "rmsnorm":
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + module.eps) * module.weight
     centred = x - x.mean(-1, keepdim=True)
     return centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + module.eps) * module.weight + module.bias
@@ -43,7 +43,7 @@ def embeddings(model, inputs):
         x = x + embeddings.position_embeddings.weight[:seq_length]
     elif config.position_embedding_type == "sinusoidal":
         x = x + sinusoidal(seq_length, config.hidden_size)
-    return norm(embeddings.norm, x) if config.embedding_norm else x
+    return norm(embeddings.norm, x, config.norm_type) if config.embedding_norm else x
 
 
 def rotate(x, theta):
@@ -100,25 +100,26 @@ def reference_stack(model, x, attention_mask):
     config = model.config
     placement, n, s = config.norm_placement, config.num_hidden_layers, config.resi_dual_scale
     alpha = (2 * n) ** 0.25
+    ln = lambda module, x: norm(module, x, config.norm_type)  # noqa: E731
     a, d = x, s * x
     h = x
     for layer in model.layers:
         for f, res in sublayers(layer, attention_mask, config):
             if placement == "post":
-                h = norm(res.norm_out, h + f(h))
+                h = ln(res.norm_out, h + f(h))
             elif placement == "pre":
-                h = h + f(norm(res.norm_in, h))
+                h = h + f(ln(res.norm_in, h))
             elif placement == "sandwich":
-                h = h + norm(res.norm_branch, f(norm(res.norm_in, h)))
+                h = h + ln(res.norm_branch, f(ln(res.norm_in, h)))
             elif placement == "deepnorm":
-                h = norm(res.norm_out, alpha * h + f(h))
+                h = ln(res.norm_out, alpha * h + f(h))
             elif placement == "resi_dual":
                 out = f(a)
-                a, d = norm(res.norm_out, a + out), d + s * out
+                a, d = ln(res.norm_out, a + out), d + s * out
     if placement in ("pre", "sandwich"):
-        return norm(model.final.norm, h), None
+        return ln(model.final.norm, h), None
     if placement == "resi_dual":
-        return a + norm(model.final.norm, d), d
+        return a + ln(model.final.norm, d), d
     return h, None
 
 
@@ -206,6 +207,6 @@ def test_resi_dual_feeds_the_normalized_stream_to_the_next_sublayer():
         embedded = embeddings(model, inputs)
         layer = model.layers[0]
         first = attention(layer, embedded, inputs["attention_mask"], model.config)
-        expected = norm(layer.attention_residual.norm_out, embedded + first)
+        expected = norm(layer.attention_residual.norm_out, embedded + first, model.config.norm_type)
     mask = inputs["attention_mask"]
     torch.testing.assert_close(real(captured[0], mask), real(expected, mask), atol=1e-5, rtol=0)
