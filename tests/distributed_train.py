@@ -1,6 +1,7 @@
 """Helper for test_distributed.py (not a test): a few Trainer steps, then every rank saves the weights it ends with.
 
 Usage: python distributed_train.py MODEL_DIR OUT_DIR PER_DEVICE_BATCH [fsdp]  (plain, or under torchrun)
+Rank 0 also saves the weights it starts from (initial.safetensors); every rank prints its training loss.
 """
 
 import os
@@ -25,11 +26,13 @@ for i in range(16):
     rows.append({"input_ids": ids * mask, "attention_mask": mask, "labels": torch.tensor(i % 3)})
 set_seed(0)  # the new classifier head starts the same in every process and in every run
 model = encoderstack.EncoderStackForSequenceClassification.from_pretrained(model_dir, num_labels=3)
+if rank == 0:
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(out_dir, "initial.safetensors"))
 args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=per_device, max_steps=4, learning_rate=0.1,
                          optim="sgd", lr_scheduler_type="constant", report_to=[], disable_tqdm=True, use_cpu=True,
                          save_strategy="no", seed=0, train_sampling_strategy="sequential", **fsdp)
 result = Trainer(model=model, args=args, train_dataset=rows).train()
-if fsdp:  # the weights are sharded across the ranks: report that this rank trained
-    print(f"rank {rank} trained, loss {result.training_loss:.4f}")
+print(f"rank {rank} trained, loss {result.training_loss:.8f}")
+if fsdp:  # the weights are sharded across the ranks: the losses tell what they trained
     sys.exit(0)
 save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(out_dir, f"rank{rank}.safetensors"))

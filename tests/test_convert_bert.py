@@ -50,6 +50,36 @@ def inputs_for(suffix):
     return batch
 
 
+def labels_for(suffix, batch):
+    """Labels of every kind the head takes, one per sequence or per token (class 0 stands for no label)."""
+    generator = torch.Generator().manual_seed(6)
+    shape = batch["input_ids"].shape
+    per_token = torch.randint(0, 3, shape, generator=generator)
+    per_row = torch.randint(0, 2, shape[:1], generator=generator)
+    return {
+        "Model": {},
+        "ForMaskedLM": {"labels": per_token},
+        "ForPreTraining": {"labels": per_token, "next_sentence_label": per_row},
+        "ForNextSentencePrediction": {"labels": per_row},
+        "ForSequenceClassification": {"labels": per_row},
+        "ForTokenClassification": {"labels": per_token},
+        "ForQuestionAnswering": {"start_positions": torch.tensor([1, 0, 2, 9]),
+                                 "end_positions": torch.tensor([3, 5, 2, 9])},
+        "ForMultipleChoice": {"labels": per_row},
+    }[suffix]
+
+
+def assert_same_loss(reference, converted, batch, suffix):
+    """Without padding, the loss equals BERT's (with padding it differs on purpose: padded positions never count)."""
+    full = {**batch, "attention_mask": torch.ones_like(batch["attention_mask"])}
+    labels = labels_for(suffix, full)
+    if not labels:
+        return
+    with torch.no_grad():
+        expected, actual = reference(**full, **labels).loss, converted(**full, **labels).loss
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0, msg="loss")
+
+
 def real(tensor, mask):
     """Real-token rows of a per-token output; sequence-level outputs (pooler, class logits) whole."""
     return tensor[mask.bool()] if tuple(tensor.shape[:2]) == tuple(mask.shape) else tensor
@@ -77,6 +107,7 @@ def assert_parity(reference, converted, suffix, backend):
     assert len(actual.hidden_states) == len(expected.hidden_states)
     for a, e in zip(actual.hidden_states, expected.hidden_states):
         torch.testing.assert_close(real(a, mask), real(e, mask), atol=1e-5, rtol=0)
+    assert_same_loss(reference, converted, batch, suffix)
     if eager:
         for a, e in zip(actual.attentions, expected.attentions, strict=True):
             torch.testing.assert_close(a.transpose(1, 2)[mask.bool()], e.transpose(1, 2)[mask.bool()],

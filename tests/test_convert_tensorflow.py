@@ -122,10 +122,10 @@ def test_a_checkpoint_prefix_from_a_training_run_converts(tmp_path):
     assert_matches_tensorflow(base.last_hidden_state, expected["sequence_output"], inputs["attention_mask"])
 
 
-def test_verification_compares_with_bert_built_from_the_same_tensors(tmp_path):
+def test_verification_compares_with_google_berts_math_over_the_checkpoint_variables(tmp_path):
     folder = encoderstack.convert(FIXTURES / "two_shards", tmp_path / "out")
     parity = json.loads((folder / "conversion.json").read_text())["parity"]
-    assert parity["reference"] == "BertForPreTraining"
+    assert parity["reference"].startswith("Google BERT's math")
     assert all(row["max_abs_diff"] <= 1e-5 for rows in parity["results"].values() for row in rows)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
@@ -222,3 +222,15 @@ def test_a_vocab_txt_that_no_bert_tokenizer_could_use_is_refused(vocab, message,
     source = shutil.copytree(FIXTURES / "pretraining", tmp_path / "bert")
     (source / "vocab.txt").write_bytes(vocab)
     refused_copy(tmp_path, r"bert/vocab.txt: " + message)
+
+
+def test_verification_catches_a_mapping_that_forgets_a_transpose(tmp_path, monkeypatch):
+    """A square kernel left untransposed still loads; only a reference apart from our key map can see it."""
+    from encoderstack.conversion import tensorflow
+
+    right = tensorflow.bert_name
+    monkeypatch.setattr(tensorflow, "bert_name", lambda name: (right(name)[0], False) if name.endswith(
+        "attention/output/dense/kernel") else right(name))
+    with pytest.raises(encoderstack.ConversionError, match=r"parity above 1e-05 on .*hidden_states"):
+        encoderstack.convert(FIXTURES / "pretraining", tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []

@@ -38,9 +38,15 @@ def free_port() -> int:
 
 
 def launch(command, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+def training_losses(stdout) -> dict[int, float]:
+    """rank -> the training loss it printed"""
+    return {int(line.split()[1]): float(line.split()[-1]) for line in stdout.splitlines() if " trained, loss " in line}
 
 
 def assert_same_weights(actual, expected):
@@ -61,18 +67,22 @@ def test_two_torchrun_ranks_end_with_identical_weights_equal_to_one_process(tiny
     for key in rank0:
         assert torch.equal(rank0[key], rank1[key]), key
     assert_same_weights(rank0, single)
-    assert not torch.equal(single["classifier.weight"], load_file(tiny / "model.safetensors").get(
-        "classifier.weight", torch.zeros_like(single["classifier.weight"])))  # it trained
+    initial = load_file(tmp_path / "one" / "initial.safetensors")  # the weights training started from
+    assert initial.keys() == single.keys()
+    assert [key for key in initial if torch.equal(single[key], initial[key])] == []  # every tensor trained
+    assert (single["classifier.weight"] - initial["classifier.weight"]).abs().max() > 1e-3
 
 
-def test_fsdp_full_shard_trains_on_the_cpu_with_gloo(tiny, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(HERE / "distributed_train.py"), str(tiny), str(tmp_path), "4", "fsdp"],
-                            capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-4000:]
-    losses = [float(line.split()[-1]) for line in result.stdout.splitlines() if " trained, loss " in line]
-    assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)  # both ranks trained (on their own batches)
+def test_fsdp_full_shard_trains_each_rank_on_its_half_of_the_global_batch_of_one_process(tiny, tmp_path):
+    """The ranks' weights are sharded, so their losses are the check: each rank's mean loss over its own half-batches,
+    and the two averaged, equal one process's mean over the same global batches (same updates, every step)."""
+    script = str(HERE / "distributed_train.py")
+    (tmp_path / "one").mkdir()
+    single = training_losses(launch([sys.executable, script, str(tiny), str(tmp_path / "one"), "8"], tmp_path))
+    sharded = training_losses(launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                      "2", script, str(tiny), str(tmp_path), "4", "fsdp"], tmp_path))
+    assert sorted(sharded) == [0, 1] and sharded[0] != sharded[1]  # each rank saw its own rows
+    assert (sharded[0] + sharded[1]) / 2 == pytest.approx(single[0], abs=1e-6)
 
 
 def test_the_finetune_command_under_accelerate_launch_equals_one_process(tiny, tmp_path):

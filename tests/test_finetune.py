@@ -12,7 +12,7 @@ import transformers
 
 import encoderstack
 from encoderstack.cli import main
-from encoderstack.finetune import DATA, DataError, FinetuneError, finetune, read_rows
+from encoderstack.finetune import DATA, TASKS, DataError, FinetuneError, finetune, read_rows
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +93,38 @@ def test_token_classification_and_question_answering_data_fine_tune_from_json_li
     ner = "\n".join(json.dumps({"tokens": ["Ada", "lives", "in", city], "tags": ["B-PER", "O", "O", "B-LOC"]})
                     for city in ("Paris", "Rome", "Oslo", "Lima"))
     record = finetune(tiny, tmp_path / "ner", task="token-classification", train=write(tmp_path / "n.jsonl", ner),
-                      eval=tmp_path / "n.jsonl", epochs=1)
-    assert record["labels"] == ["B-LOC", "B-PER", "O"] and "f1" in record["after"]
+                      eval=tmp_path / "n.jsonl", epochs=8, learning_rate=3e-3)
+    assert record["labels"] == ["B-LOC", "B-PER", "O"]
+    assert record["before"]["f1"] < 0.7 and record["after"]["f1"] == 1.0  # it learned the four rows it saw
     qa = "\n".join(json.dumps({"question": "Who wrote it?", "context": f"It was written by {name} in 1900.",
                                "answer": name}) for name in ("Ada", "Alan", "Grace", "Edsger"))
     record = finetune(tiny, tmp_path / "qa", task="question-answering", train=write(tmp_path / "q.jsonl", qa),
-                      eval=tmp_path / "q.jsonl", epochs=1)
-    assert "exact_match" in record["after"]
+                      eval=tmp_path / "q.jsonl", epochs=8, learning_rate=3e-3)
+    assert record["before"]["exact_match"] == 0.0 and record["after"]["exact_match"] == 1.0
+    assert record["after"]["loss"] < record["before"]["loss"]
+
+
+def test_the_best_epoch_is_kept_when_it_is_not_the_last(tiny, tmp_path, monkeypatch):
+    """The metric says epoch 1 was best, then worse: the saved model is epoch 1's (its predictions, its step)."""
+    spec = TASKS["text-classification"]
+    real_metrics, seen = spec.metrics, []
+
+    def metrics(prediction):
+        seen.append(prediction.predictions.copy())
+        scores = real_metrics(prediction)
+        return {**scores, "accuracy": [0.9, 0.1, 0.5][len(seen) - 1] if len(seen) <= 3 else scores["accuracy"]}
+
+    monkeypatch.setattr(spec, "metrics", metrics)
+    record = finetune(tiny, tmp_path / "out", epochs=3, batch_size=32, learning_rate=1e-3)
+    assert record["best_checkpoint_step"] == 10  # 320 rows, 32 a step: the end of epoch 1 of 3
+    after, last = seen[3], seen[2]  # the evaluation after training, and the one of epoch 3
+    assert (after == seen[0]).all() and not (after == last).all()
+    model = encoderstack.EncoderStackForSequenceClassification.from_pretrained(tmp_path / "out").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    rows = read_rows(DATA / "dev.csv")[:4]
+    with torch.no_grad():
+        logits = model(**tokenizer([row["text"] for row in rows], padding=True, return_tensors="pt")).logits
+    torch.testing.assert_close(logits, torch.from_numpy(seen[0][:4]), atol=1e-5, rtol=0)
 
 
 def test_an_answer_that_is_not_in_its_context_is_refused(tiny, tmp_path):

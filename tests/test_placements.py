@@ -5,77 +5,142 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import PLACEMENTS, batch, build, real
 
 from encoderstack import EncoderStackModel
 
 
-def norm(module, x):
-    return F.layer_norm(x, x.shape[-1:], module.weight, module.bias, module.eps)
+def norm(module, x, norm_type):
+    """LayerNorm (x - mean) / sqrt(var + eps) * w + b, or RMSNorm x / sqrt(mean(x^2) + eps) * w, as the config says."""
+    if norm_type == "rmsnorm":
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + module.eps) * module.weight
+    centred = x - x.mean(-1, keepdim=True)
+    return centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + module.eps) * module.weight + module.bias
 
 
 def linear(module, x):
     return x @ module.weight.T + module.bias
 
 
-def attention(layer, x, attention_mask, heads):
+def sinusoidal(seq_length, width):
+    """The 2017 Transformer's table, entry by entry: PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(...)."""
+    table = torch.zeros(seq_length, width)
+    for p in range(seq_length):
+        for i in range(0, width, 2):
+            table[p, i] = math.sin(p / 10000 ** (i / width))
+            if i + 1 < width:
+                table[p, i + 1] = math.cos(p / 10000 ** (i / width))
+    return table
+
+
+def embeddings(model, inputs):
+    """word + token type + position (learned rows or the sinusoidal table, none with rotary), then the norm."""
+    embeddings, config = model.embeddings, model.config
+    seq_length = inputs["input_ids"].shape[1]
+    x = embeddings.word_embeddings.weight[inputs["input_ids"]] + embeddings.token_type_embeddings.weight[
+        inputs["token_type_ids"]]
+    if config.position_embedding_type == "absolute":
+        x = x + embeddings.position_embeddings.weight[:seq_length]
+    elif config.position_embedding_type == "sinusoidal":
+        x = x + sinusoidal(seq_length, config.hidden_size)
+    return norm(embeddings.norm, x, config.norm_type) if config.embedding_norm else x
+
+
+def rotate(x, theta):
+    """RoFormer's rotation of (batch, heads, seq, head_dim), in the rotate-half pairing: coordinate i turns with
+    coordinate i + head_dim/2 by the angle p * theta^(-2i / head_dim) at position p."""
+    half = x.shape[-1] // 2
+    out = torch.empty_like(x)
+    for p in range(x.shape[2]):
+        for i in range(half):
+            angle = p * theta ** (-2 * i / x.shape[-1])
+            first, second = x[:, :, p, i], x[:, :, p, i + half]
+            out[:, :, p, i] = first * math.cos(angle) - second * math.sin(angle)
+            out[:, :, p, i + half] = second * math.cos(angle) + first * math.sin(angle)
+    return out
+
+
+def attention(layer, x, attention_mask, config):
     batch_size, seq_length, width = x.shape
+    heads = config.num_attention_heads
     split = lambda t: t.view(batch_size, seq_length, heads, width // heads).transpose(1, 2)  # noqa: E731
     q, k, v = (split(linear(getattr(layer.attention, name), x)) for name in ("query", "key", "value"))
+    if config.position_embedding_type == "rope":
+        q, k = rotate(q, config.rope_theta), rotate(k, config.rope_theta)
     scores = q @ k.transpose(-1, -2) / math.sqrt(width // heads)
     scores = scores.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
     context = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch_size, seq_length, width)
     return linear(layer.attention.output, context)
 
 
-def feed_forward(layer, x):
-    return linear(layer.mlp.down, F.gelu(linear(layer.mlp.up, x)))
+def gelu(x):
+    return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
 
 
-def sublayers(layer, attention_mask, heads):
+def feed_forward(layer, x, config):
+    """down(act(up(x))); gated: up's first half is the gate, GeGLU gelu(gate) * rest, SwiGLU silu(gate) * rest."""
+    up = linear(layer.mlp.up, x)
+    if config.hidden_act == "gelu":
+        return linear(layer.mlp.down, gelu(up))
+    gate, rest = up.chunk(2, dim=-1)
+    gated = gelu(gate) if config.hidden_act == "geglu" else gate * torch.sigmoid(gate)
+    return linear(layer.mlp.down, gated * rest)
+
+
+def sublayers(layer, attention_mask, config):
     """The two sublayers F of one layer, each paired with its residual's norms."""
     return (
-        (lambda x: attention(layer, x, attention_mask, heads), layer.attention_residual),
-        (lambda x: feed_forward(layer, x), layer.mlp_residual),
+        (lambda x: attention(layer, x, attention_mask, config), layer.attention_residual),
+        (lambda x: feed_forward(layer, x, config), layer.mlp_residual),
     )
 
 
 def reference_stack(model, x, attention_mask):
-    """DESIGN.md §3, one line per placement."""
+    """DESIGN.md §3, one line per placement; also ResiDual's `d` stream under `resi_dual_scale` s: s·x + s·Σf."""
     config = model.config
-    placement, n, heads = config.norm_placement, config.num_hidden_layers, config.num_attention_heads
+    placement, n, s = config.norm_placement, config.num_hidden_layers, config.resi_dual_scale
     alpha = (2 * n) ** 0.25
-    a, d = x, x
+    ln = lambda module, x: norm(module, x, config.norm_type)  # noqa: E731
+    a, d = x, s * x
     h = x
     for layer in model.layers:
-        for f, res in sublayers(layer, attention_mask, heads):
+        for f, res in sublayers(layer, attention_mask, config):
             if placement == "post":
-                h = norm(res.norm_out, h + f(h))
+                h = ln(res.norm_out, h + f(h))
             elif placement == "pre":
-                h = h + f(norm(res.norm_in, h))
+                h = h + f(ln(res.norm_in, h))
             elif placement == "sandwich":
-                h = h + norm(res.norm_branch, f(norm(res.norm_in, h)))
+                h = h + ln(res.norm_branch, f(ln(res.norm_in, h)))
             elif placement == "deepnorm":
-                h = norm(res.norm_out, alpha * h + f(h))
+                h = ln(res.norm_out, alpha * h + f(h))
             elif placement == "resi_dual":
                 out = f(a)
-                a, d = norm(res.norm_out, a + out), d + out
+                a, d = ln(res.norm_out, a + out), d + s * out
     if placement in ("pre", "sandwich"):
-        return norm(model.final.norm, h)
+        return ln(model.final.norm, h), None
     if placement == "resi_dual":
-        return a + norm(model.final.norm, d)
-    return h
+        return a + ln(model.final.norm, d), d
+    return h, None
 
 
+VARIANTS = {
+    "bert": {},
+    "rmsnorm": dict(norm_type="rmsnorm"),
+    "rotary": dict(position_embedding_type="rope", rope_theta=100.0),  # a small base: every pair turns visibly
+    "sinusoidal": dict(position_embedding_type="sinusoidal"),
+    "geglu": dict(hidden_act="geglu"),
+    "swiglu": dict(hidden_act="swiglu"),
+    "no-embedding-norm": dict(embedding_norm=False),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_the_stack_output_equals_the_placement_equation(placement):
-    model = build(EncoderStackModel, norm_placement=placement)
+def test_the_stack_output_equals_the_placement_equation(placement, variant):
+    model = build(EncoderStackModel, norm_placement=placement, **VARIANTS[variant])
     inputs = batch()
     with torch.no_grad():
-        embedded = model.embeddings(inputs["input_ids"], inputs["token_type_ids"],
-                                    torch.arange(9).expand(3, -1), None)
-        expected = reference_stack(model, embedded, inputs["attention_mask"])
+        expected, _ = reference_stack(model, embeddings(model, inputs), inputs["attention_mask"])
         actual = model(**inputs).last_hidden_state
     mask = inputs["attention_mask"]
     torch.testing.assert_close(real(actual, mask), real(expected, mask), atol=1e-5, rtol=0)
@@ -117,14 +182,18 @@ def test_deepnorm_initializes_value_output_and_ffn_with_gain_beta_and_leaves_que
         assert linear_module.weight.std().item() == pytest.approx(std * gain, rel=0.05)
 
 
-def test_resi_dual_stream_scale_leaves_the_output_unchanged():
+def test_resi_dual_scale_scales_the_unnormalized_stream_and_leaves_the_output_unchanged():
     inputs = batch()
+    mask = inputs["attention_mask"]
     reference = build(EncoderStackModel, norm_placement="resi_dual")
     scaled = build(EncoderStackModel, norm_placement="resi_dual", resi_dual_scale=0.125)
+    streams = []
+    scaled.layers[-1].mlp_residual.register_forward_hook(lambda module, args, out: streams.append(out[1]))
     with torch.no_grad():
-        expected, actual = reference(**inputs).last_hidden_state, scaled(**inputs).last_hidden_state
-    mask = inputs["attention_mask"]
+        expected, actual = reference(**inputs).last_hidden_state, scaled(**inputs, padding_free=False).last_hidden_state
+        _, d = reference_stack(scaled, embeddings(scaled, inputs), mask)
     torch.testing.assert_close(real(actual, mask), real(expected, mask), atol=1e-5, rtol=0)
+    torch.testing.assert_close(real(streams[0], mask), real(d, mask), atol=1e-5, rtol=0)
 
 
 def test_resi_dual_feeds_the_normalized_stream_to_the_next_sublayer():
@@ -135,9 +204,9 @@ def test_resi_dual_feeds_the_normalized_stream_to_the_next_sublayer():
     model.layers[0].mlp.register_forward_hook(lambda module, args, out: captured.append(args[0]))
     with torch.no_grad():
         model(**inputs, padding_free=False)  # the hook reads the padded (batch, seq, hidden) layout
-        embedded = model.embeddings(inputs["input_ids"], inputs["token_type_ids"], torch.arange(9).expand(3, -1), None)
+        embedded = embeddings(model, inputs)
         layer = model.layers[0]
-        first = attention(layer, embedded, inputs["attention_mask"], model.config.num_attention_heads)
-        expected = norm(layer.attention_residual.norm_out, embedded + first)
+        first = attention(layer, embedded, inputs["attention_mask"], model.config)
+        expected = norm(layer.attention_residual.norm_out, embedded + first, model.config.norm_type)
     mask = inputs["attention_mask"]
     torch.testing.assert_close(real(captured[0], mask), real(expected, mask), atol=1e-5, rtol=0)

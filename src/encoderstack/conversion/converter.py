@@ -58,7 +58,7 @@ class Source:
     copy_other_files: bool = True  # copy the folder's other files (tokenizer, modules, ...) as they are
     notes: dict = field(default_factory=dict)  # choices made for this source, recorded in conversion.json
     write_extras: Callable[[Path], None] | None = None  # e.g. a tokenizer built from a TF release's vocab.txt
-    reference: str = "source"  # verify against the source folder, or against a BERT "exported" from our result
+    reference: str = "source"  # verify against the source folder, or "google": Google's math over the tensors
     config_file: str = "config.json"
 
     @property
@@ -422,13 +422,13 @@ def convert(source_path, output_path, task: str | None = None, verify: bool = Tr
 
 
 def check_parity(source: Source, conversion: Plan, folder: Path) -> dict:
-    from .verify import verify_folder
+    from .verify import verify_against_google_bert, verify_folder
 
     if source.reference == "source":
         return verify_folder(source.folder, conversion, folder)
-    # No TensorFlow at run time: the reference is transformers' BERT class built from the same tensors.
-    with tempfile.TemporaryDirectory(prefix="encoderstack-reference-") as scratch:
-        return verify_folder(export_bert(folder, Path(scratch) / "bert"), conversion, folder)
+    # No TensorFlow at run time: the reference is BERT's math over the checkpoint's variables, written out apart
+    # from our key map, so that a wrong mapping (a missing transpose, a swapped norm) cannot hide in a round trip.
+    return verify_against_google_bert(source.tensors, conversion, folder)
 
 
 def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:

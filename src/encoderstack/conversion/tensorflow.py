@@ -151,7 +151,7 @@ def open_tf_source(path: Path, gelu: str = "tanh", lowercase: bool | None = None
     else:
         notes["tokenizer"] = "none: the checkpoint folder has no vocab.txt"
     return Source(folder, config, tensors, bert_names, skipped, notes=notes, write_extras=write_tokenizer,
-                  copy_other_files=False, reference="exported", config_file="bert_config.json")
+                  copy_other_files=False, reference="google", config_file="bert_config.json")
 
 
 __all__ = ["GELU", "TFCheckpointError", "bert_name", "open_tf_source"]

@@ -93,17 +93,52 @@ def compare(reference: list[dict], converted: list[dict], skip: set) -> list[dic
     return [{"output": name, "max_abs_diff": value} for name, value in worst.items()]
 
 
-def verify_folder(reference_folder, conversion, folder) -> dict:
-    """Load the reference and the converted model in turn (never both at once) on eager and SDPA; compare."""
-    prefix = FAMILIES[conversion.family][0]
-    reference_class = getattr(transformers, prefix + conversion.task.bert_suffix)
-    ours_class = getattr(modeling_encoderstack, conversion.task.encoderstack_class)
-    batches = sample_batches(folder, conversion.config, conversion.task.name == "multiple-choice", reference_folder)
+def skipped_outputs(conversion) -> set:
+    """Outputs of newly initialized weights, which no reference has."""
     skip = set()
     if any(key.endswith("pooler.dense.weight") for key in conversion.initialized):
         skip |= {"pooler_output"}
     if any(not key.startswith("model.") for key in conversion.initialized) and conversion.task.name != "base":
         skip |= set(OUTPUTS) - {"last_hidden_state"}
+    return skip
+
+
+def run_converted(folder, conversion, batches, backend, **load) -> list[dict]:
+    ours = getattr(modeling_encoderstack, conversion.task.encoderstack_class).from_pretrained(
+        folder, attn_implementation=backend, **load).eval()
+    converted = run(ours, batches, backend)
+    for result in converted:
+        check_finite(on_real_tokens(result), f"EncoderStack ({backend})")
+    return converted
+
+
+def verify_against_google_bert(tensors, conversion, folder) -> dict:
+    """A TensorFlow conversion against Google's BERT math computed from the checkpoint's own variables; ours runs in
+    float32 (exact for float16 weights), as the reference computes in float64."""
+    from types import SimpleNamespace
+
+    from .google_bert import GoogleBert
+
+    reference = GoogleBert(tensors, conversion.config, conversion.task.name)
+    batches = sample_batches(folder, conversion.config, False, folder)
+    expected = [{"out": SimpleNamespace(attentions=None, **reference.outputs(batch)),
+                 "mask": batch["attention_mask"].bool()} for batch in batches]
+    results = {backend: compare(expected, run_converted(folder, conversion, batches, backend, dtype=torch.float32),
+                                skipped_outputs(conversion)) for backend in ("eager", "sdpa")}
+    return {
+        "reference": "Google BERT's math (float64 numpy over the TensorFlow variables)",
+        "inputs": "tokenizer: sentences and sentence pairs, padded" if len(batches) > 1 else "random ids, padded",
+        "tolerance": 1e-5,
+        "results": results,
+    }
+
+
+def verify_folder(reference_folder, conversion, folder) -> dict:
+    """Load the reference and the converted model in turn (never both at once) on eager and SDPA; compare."""
+    prefix = FAMILIES[conversion.family][0]
+    reference_class = getattr(transformers, prefix + conversion.task.bert_suffix)
+    batches = sample_batches(folder, conversion.config, conversion.task.name == "multiple-choice", reference_folder)
+    skip = skipped_outputs(conversion)
     results = {}
     for backend in ("eager", "sdpa"):
         # Megatron-BERT has no SDPA in transformers: our SDPA path is then checked against its eager one.
@@ -114,12 +149,7 @@ def verify_folder(reference_folder, conversion, folder) -> dict:
         gc.collect()
         for result in expected:
             check_finite(on_real_tokens(result), f"the reference {reference_class.__name__} ({backend})")
-        ours = ours_class.from_pretrained(folder, attn_implementation=backend).eval()
-        converted = run(ours, batches, backend)
-        del ours
-        for result in converted:
-            check_finite(on_real_tokens(result), f"EncoderStack ({backend})")
-        results[backend] = compare(expected, converted, skip)
+        results[backend] = compare(expected, run_converted(folder, conversion, batches, backend), skip)
     return {
         "reference": reference_class.__name__,
         "inputs": "tokenizer: sentences and sentence pairs, padded" if len(batches) > 1 else "random ids, padded",
