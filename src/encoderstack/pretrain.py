@@ -202,20 +202,24 @@ def config_fields(config) -> dict:
     return fields
 
 
-def fresh_config(config, tokenizer) -> EncoderStackConfig:
+def checked_config(config) -> dict:
+    """The fields of a fresh model's config, refused here (before any data is read) if EncoderStackConfig would."""
     fields = config_fields(config)
-    known = set(EncoderStackConfig().to_dict())
-    if unknown := sorted(set(fields) - known):
+    if unknown := sorted(set(fields) - set(EncoderStackConfig().to_dict())):
         raise PretrainError(f"config: unknown field {unknown[0]!r} (not an EncoderStackConfig field)")
-    fields.setdefault("vocab_size", len(tokenizer))
+    try:
+        EncoderStackConfig(**{"vocab_size": 1, **fields})
+    except Exception as error:  # the config's own validation names the field (huggingface_hub wraps it)
+        raise PretrainError(f"config: {' '.join(str(error.__cause__ or error).split())}") from None
+    return fields
+
+
+def fresh_config(fields: dict, tokenizer) -> EncoderStackConfig:
+    fields = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id, **fields}
     if not is_integer(fields["vocab_size"]) or fields["vocab_size"] < len(tokenizer):
         raise PretrainError(f"config: vocab_size {fields['vocab_size']!r} is less than the tokenizer's "
                             f"{len(tokenizer)} tokens")
-    fields.setdefault("pad_token_id", tokenizer.pad_token_id)
-    try:
-        return EncoderStackConfig(**fields, architectures=["EncoderStackForMaskedLM"])
-    except (TypeError, ValueError) as error:
-        raise PretrainError(f"config: {' '.join(str(error).split())}") from None
+    return EncoderStackConfig(**fields, architectures=["EncoderStackForMaskedLM"])
 
 
 def train_wordpiece(texts, vocab_size: int):
@@ -372,6 +376,7 @@ def pretrain(model=None, config=None, tokenizer=None, train=None, eval=None, out
         raise PretrainError("a fresh model (config) needs exactly one of tokenizer (a folder) or train_tokenizer "
                             "(a vocabulary size)")
     folder_config = model_config(model) if model is not None else None
+    config = checked_config(config) if config is not None else None
     train_files = {f: sha256(f) for f in text_files(train)}
     eval_files = {f: sha256(f) for f in text_files(eval)} if eval is not None else {}
     destination = OutputFolder(output, force)
