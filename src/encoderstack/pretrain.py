@@ -125,7 +125,7 @@ def chunker(tokenizer, max_length: int, offsets: bool):
     body, cls, sep = max_length - 2, tokenizer.cls_token_id, tokenizer.sep_token_id
 
     def chunk(batch):
-        out = {"input_ids": [], "file": [], **({"offsets": []} if offsets else {})}
+        out = {"input_ids": [], "file": [], "length": [], **({"offsets": []} if offsets else {})}
         for text, file in zip(batch["text"], batch["file"]):
             lines = text.split("\n")
             encoded = tokenizer(lines, add_special_tokens=False, return_offsets_mapping=offsets, verbose=False)
@@ -138,6 +138,7 @@ def chunker(tokenizer, max_length: int, offsets: bool):
             for start in range(0, len(ids), body):
                 out["input_ids"].append([cls, *ids[start : start + body], sep])
                 out["file"].append(file)
+                out["length"].append(len(out["input_ids"][-1]))
                 if offsets:
                     out["offsets"].append([(0, 0), *spans[start : start + body], (0, 0)])
         return out
@@ -172,9 +173,9 @@ class MaskedFlattening:
 def data_record(files: dict, chunks) -> list[dict]:
     """Each file with its sha256 and the sequences and tokens it gave (of the split `chunks` holds)."""
     per_file = [{"file": str(f), "sha256": digest, "sequences": 0, "tokens": 0} for f, digest in files.items()]
-    for file, ids in zip(chunks["file"], chunks["input_ids"]):
+    for file, length in zip(chunks["file"], chunks["length"]):
         per_file[file]["sequences"] += 1
-        per_file[file]["tokens"] += len(ids)
+        per_file[file]["tokens"] += length
     return per_file
 
 
@@ -377,6 +378,7 @@ def pretrain(model=None, config=None, tokenizer=None, train=None, eval=None, out
                             "(a vocabulary size)")
     folder_config = model_config(model) if model is not None else None
     config = checked_config(config) if config is not None else None
+    check_positions(max_length, folder_config or config)
     train_files = {f: sha256(f) for f in text_files(train)}
     eval_files = {f: sha256(f) for f in text_files(eval)} if eval is not None else {}
     destination = OutputFolder(output, force)
@@ -388,21 +390,13 @@ def pretrain(model=None, config=None, tokenizer=None, train=None, eval=None, out
     checkpoint = resume_point(scratch, resume, force, settings)
     with tempfile.TemporaryDirectory(prefix=f".{destination.path.name}.data-", dir=destination.path.parent) as cache:
         train_docs = load_documents(train_files, Path(cache) / "train")
-        eval_docs = load_documents(eval_files, Path(cache) / "eval") if eval_files else None
-        if eval_docs is None:
-            if len(train_docs) < 2:
-                raise DataError(f"{train}: {len(train_docs)} document; holding out evaluation text needs at least "
-                                "2 (or give eval, --eval)")
-            split = train_docs.train_test_split(test_size=max(1, round(HELD_OUT * len(train_docs))), seed=seed)
+        if eval_files:
+            eval_docs = load_documents(eval_files, Path(cache) / "eval")
+        else:
+            split = held_out(train_docs, train, seed)
             train_docs, eval_docs = split["train"], split["test"]
         tokenizer = choose_tokenizer(model, tokenizer, train_tokenizer, folder_config, train_docs)
         check_tokenizer(tokenizer, model or "tokenizer")
-        if model is not None:
-            absolute = folder_config.get("position_embedding_type", "absolute") == "absolute"
-            positions = folder_config.get("max_position_embeddings", 512)
-            if absolute and max_length > positions:
-                raise PretrainError(f"max_length {max_length} is more than the model's {positions} positions "
-                                    "(max_position_embeddings)")
         chunk = chunker(tokenizer, max_length, whole_word_mask)
         train_set, eval_set = (docs.map(chunk, batched=True, remove_columns=docs.column_names, num_proc=num_proc,
                                         new_fingerprint=f"{name}-chunks", desc=f"Tokenizing the {name} text")
@@ -412,17 +406,33 @@ def pretrain(model=None, config=None, tokenizer=None, train=None, eval=None, out
             "data": {"train": data_record(train_files, train_set),
                      "eval": data_record(eval_files, eval_set) if eval_files else
                      f"{len(eval_docs)} held-out training documents",
-                     "train_sequences": len(train_set), "train_tokens": sum(map(len, train_set["input_ids"])),
-                     "eval_sequences": len(eval_set), "eval_tokens": sum(map(len, eval_set["input_ids"]))},
+                     "train_sequences": len(train_set), "train_tokens": sum(train_set["length"]),
+                     "eval_sequences": len(eval_set), "eval_tokens": sum(eval_set["length"])},
             "settings": settings,
         }
         eval_set = eval_set.map(MaskedFlattening(tokenizer, mlm_probability, whole_word_mask, EVAL_MASK_SEED).mask,
                                 remove_columns=eval_set.column_names, new_fingerprint="eval-masked",
                                 desc="Masking the eval text")
         record["data"]["eval_masked_tokens"] = sum(sum(label != -100 for label in row) for row in eval_set["labels"])
-        return train_and_save(model, config, tokenizer, train_set.select_columns(["input_ids", *(
-            ["offsets"] if whole_word_mask else [])]), eval_set, destination, scratch, checkpoint, record,
-                              training_args)
+        train_set = train_set.select_columns(["input_ids", *(["offsets"] if whole_word_mask else [])])
+        return train_and_save(model, config, tokenizer, train_set, eval_set, destination, scratch, checkpoint,
+                              record, training_args)
+
+
+def check_positions(max_length: int, config: dict) -> None:
+    if config.get("position_embedding_type", "absolute") == "absolute":
+        positions = config.get("max_position_embeddings", EncoderStackConfig().max_position_embeddings)
+        if max_length > positions:
+            raise PretrainError(f"max_length {max_length} is more than the model's {positions} learned positions "
+                                "(max_position_embeddings)")
+
+
+def held_out(documents, train, seed: int):
+    """A seeded tenth of the training documents for evaluation (whole documents: no sequence is in both)."""
+    if len(documents) < 2:
+        raise DataError(f"{train}: {len(documents)} document; holding out evaluation text needs at least 2 (or give "
+                        "eval, --eval)")
+    return documents.train_test_split(test_size=max(1, round(HELD_OUT * len(documents))), seed=seed)
 
 
 def train_and_save(model, config, tokenizer, train_set, eval_set, destination, scratch, checkpoint, record,
