@@ -20,6 +20,9 @@ RUNS = {
     "training.py": [*ONE_ROUND, "--sizes", "2x16", "--peak-size", "64"],
     "convert.py": ONE_ROUND,
     "attention.py": [*ONE_ROUND, "--sizes", "2x16"],
+    # real text: the tokenizer's ids need the real vocabulary
+    "pretrain.py": ["--models", json.dumps({**json.loads(TINY), "vocab_size": 30522}), "--iterations", "1",
+                    "--sizes", "2x16", "--batches", "2", "--corpus-bytes", "4000"],
 }
 
 

@@ -477,7 +477,9 @@ def train_and_save(model, config, tokenizer, train_set, eval_set, destination, s
             shutil.rmtree(scratch, ignore_errors=True)
         raise
     history = list(trainer.state.log_history)
-    after = trainer.evaluate()
+    best_step = int(Path(trainer.state.best_model_checkpoint).name.split("-")[-1])
+    # the best checkpoint's own evaluation: the eval masking is fixed, so evaluating it again would repeat it exactly
+    after = next(entry for entry in history if "eval_mlm_loss" in entry and entry["step"] == best_step)
     evaluator = transformers.Trainer(model=baseline, args=args, eval_dataset=eval_set, data_collator=eval_collator,
                                      compute_metrics=mlm_metrics, preprocess_logits_for_metrics=token_scores)
     evaluator.remove_callback(transformers.ProgressCallback)
@@ -493,7 +495,7 @@ def train_and_save(model, config, tokenizer, train_set, eval_set, destination, s
         "steps": trainer.state.global_step, "trained_tokens": trained_tokens,
         "train_tokens_per_second": result.metrics.get("train_runtime") and trained_tokens / result.metrics[
             "train_runtime"],
-        "best_checkpoint_step": int(Path(trainer.state.best_model_checkpoint).name.split("-")[-1]),
+        "best_checkpoint_step": best_step,
         "resumed_from_step": int(Path(checkpoint).name.split("-")[-1]) if checkpoint else None,
         "evaluations": [{"step": 0, **before}] + [entry for entry in history if "eval_mlm_loss" in entry],
         "world_size": args.world_size, "python": sys.version.split()[0],
