@@ -458,6 +458,8 @@ def train_and_save(model, config, tokenizer, train_set, eval_set, destination, s
     transformers.set_seed(settings["seed"])
     network, initialized = starting_model(model, config, tokenizer)
     if args.should_save:
+        if checkpoint is None:  # starting over (force): an older run's checkpoints must not pass for this one's
+            shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True, exist_ok=True)
         (scratch / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
     eval_collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
