@@ -145,6 +145,16 @@ def test_masking_is_per_sequence_seeded_and_never_touches_special_tokens(minilm_
     assert (replaced == minilm_tokenizer.mask_token_id).float().mean() > 0.5  # 80% [MASK] (10% random, 10% kept)
 
 
+def test_the_evaluation_set_is_masked_once_and_every_evaluation_reads_it_as_masked(minilm_tokenizer):
+    ids = minilm_tokenizer("the evaluation text is masked once with a fixed seed " * 4)["input_ids"]
+    example = MaskedFlattening(minilm_tokenizer, 0.15, False, seed=pretraining.EVAL_MASK_SEED).mask({"input_ids": ids})
+    assert any(label != -100 for label in example["labels"])
+    for seed in (0, 1):  # the training collator, whatever its seed, leaves a masked example as it is
+        batch = MaskedFlattening(minilm_tokenizer, 0.15, False, seed=seed)([example, example])
+        assert batch["input_ids"][0].tolist() == example["input_ids"] * 2
+        assert batch["labels"][0].tolist() == ([-100] + example["labels"][1:]) * 2
+
+
 def test_whole_word_masking_masks_every_piece_of_a_word_together(minilm_tokenizer):
     text = "tokenization unbelievably untranslatable hyperparameterization\nsecond paragraph continues"
     chunks = pretraining.chunker(minilm_tokenizer, 64, offsets=True)({"text": [text], "file": [0]})

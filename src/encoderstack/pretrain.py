@@ -147,8 +147,9 @@ def chunker(tokenizer, max_length: int, offsets: bool):
 
 
 class MaskedFlattening:
-    """The training collator: masks each sequence on its own with transformers' `DataCollatorForLanguageModeling`
-    logic (BERT's 80/10/10, or whole words), seeded, then flattens the batch into one row."""
+    """The collator: masks each sequence on its own with transformers' `DataCollatorForLanguageModeling` logic
+    (BERT's 80/10/10, or whole words), seeded, then flattens the batch into one row. Sequences that already carry
+    labels (the evaluation set, masked once with a fixed seed) are flattened as they are."""
 
     def __init__(self, tokenizer, mlm_probability: float, whole_word_mask: bool, seed: int):
         with warnings.catch_warnings():  # whole words: transformers masks with [MASK] only, and says so each time
@@ -167,7 +168,8 @@ class MaskedFlattening:
         return {"input_ids": ids[0].tolist(), "labels": labels[0].tolist()}
 
     def __call__(self, examples):
-        return self.flatten([self.mask(example) for example in examples])
+        # Trainer evaluates with the training collator too: the evaluation set comes masked once, and stays so
+        return self.flatten([example if "labels" in example else self.mask(example) for example in examples])
 
 
 def data_record(files: dict, chunks) -> list[dict]:
@@ -462,7 +464,6 @@ def train_and_save(model, config, tokenizer, train_set, eval_set, destination, s
             shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True, exist_ok=True)
         (scratch / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
-    eval_collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     trainer = transformers.Trainer(
         model=network, args=args, train_dataset=train_set, eval_dataset=eval_set,
         data_collator=MaskedFlattening(tokenizer, settings["mlm_probability"], settings["whole_word_mask"],
@@ -482,8 +483,9 @@ def train_and_save(model, config, tokenizer, train_set, eval_set, destination, s
     best_step = int(Path(trainer.state.best_model_checkpoint).name.split("-")[-1])
     # the best checkpoint's own evaluation: the eval masking is fixed, so evaluating it again would repeat it exactly
     after = next(entry for entry in history if "eval_mlm_loss" in entry and entry["step"] == best_step)
-    evaluator = transformers.Trainer(model=baseline, args=args, eval_dataset=eval_set, data_collator=eval_collator,
-                                     compute_metrics=mlm_metrics, preprocess_logits_for_metrics=token_scores)
+    evaluator = transformers.Trainer(model=baseline, args=args, eval_dataset=eval_set,
+                                     data_collator=trainer.data_collator, compute_metrics=mlm_metrics,
+                                     preprocess_logits_for_metrics=token_scores)
     evaluator.remove_callback(transformers.ProgressCallback)
     before = evaluator.evaluate()
     del baseline
