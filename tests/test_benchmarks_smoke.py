@@ -21,6 +21,9 @@ RUNS = {
     "convert.py": ONE_ROUND,
     "attention.py": [*ONE_ROUND, "--sizes", "2x16"],
     "onnx.py": [*ONE_ROUND, "--sizes", "2x16"],
+    # real text: the tokenizer's ids need the real vocabulary
+    "pretrain.py": ["--models", json.dumps({**json.loads(TINY), "vocab_size": 30522}), "--iterations", "1",
+                    "--sizes", "2x16", "--batches", "2", "--corpus-bytes", "4000"],
 }
 
 

@@ -112,6 +112,29 @@ def finetune_command(args) -> int:
     return 0
 
 
+def pretrain_command(args) -> int:
+    from .pretrain import pretrain
+
+    record = pretrain(model=args.model, config=args.config, tokenizer=args.tokenizer,
+                      train_tokenizer=args.train_tokenizer, train=args.train, eval=args.eval, output=args.output,
+                      mlm_probability=args.mlm_probability, whole_word_mask=args.whole_word_mask,
+                      max_length=args.max_length, max_steps=args.max_steps, epochs=args.epochs,
+                      batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+                      warmup_ratio=args.warmup_ratio, scheduler=args.scheduler, seed=args.seed,
+                      eval_steps=args.eval_steps, resume=args.resume, force=args.force, num_proc=args.num_proc)
+    data = record["data"]
+    print(f"pre-trained {args.model or 'a fresh model'} on {args.train} ({data['train_sequences']} sequences, "
+          f"{data['train_tokens']} tokens) for {record['steps']} steps -> {args.output}")
+    if args.model is not None and record["initialized"]:
+        print(f"  newly initialized (not in {args.model}): {', '.join(record['initialized'])}")
+    before, after = record["before"], record["after"]
+    print(f"  eval masked-LM loss {before['mlm_loss']:.3f} -> {after['mlm_loss']:.3f}, perplexity "
+          f"{before['perplexity']:.1f} -> {after['perplexity']:.1f}, masked-token accuracy {before['accuracy']:.3f} "
+          f"-> {after['accuracy']:.3f} (best step {record['best_checkpoint_step']})")
+    print(f"  {record['train_tokens_per_second']:,.0f} training tokens/s; plot: {args.output}/loss.png")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .conversion import TASKS
     from .diagnostics.command import positive_float, positive_int
@@ -154,6 +177,36 @@ def build_parser() -> argparse.ArgumentParser:
                       help="token classification: each batch as one flattened row (DataCollatorWithFlattening)")
     tune.add_argument("--force", action="store_true", help="replace an existing output folder")
     tune.set_defaults(run=finetune_command)
+
+    pre = commands.add_parser("pretrain", help="masked-LM pre-training, fresh or continued, on packed sequences")
+    start = pre.add_mutually_exclusive_group(required=True)
+    start.add_argument("--model", help="EncoderStack or BERT folder to continue from (converted on the fly)")
+    start.add_argument("--config", help="a fresh model: EncoderStackConfig fields key=value,... or a JSON file")
+    pre.add_argument("--tokenizer", help="a fresh model's tokenizer (a folder)")
+    pre.add_argument("--train-tokenizer", type=positive_int, metavar="VOCAB_SIZE",
+                     help="a fresh model's tokenizer: WordPiece trained on the training text")
+    pre.add_argument("--train", required=True, help=".txt (a paragraph a line, blank lines between documents), "
+                                                    ".jsonl (a text field), or a folder of them")
+    pre.add_argument("--eval", help="evaluation text, as --train (default: a held-out tenth of its documents)")
+    pre.add_argument("--output", default="encoderstack-pretrained", help="where the best checkpoint goes")
+    pre.add_argument("--mlm-probability", type=positive_float, default=0.15)
+    pre.add_argument("--whole-word-mask", action="store_true", help="mask whole words (all with [MASK])")
+    pre.add_argument("--max-length", type=positive_int, default=128, help="tokens per sequence, [CLS] and [SEP] in")
+    length = pre.add_mutually_exclusive_group()
+    length.add_argument("--max-steps", type=positive_int)
+    length.add_argument("--epochs", type=positive_float, help="(default: 1)")
+    pre.add_argument("--batch-size", type=positive_int, default=32, help="sequences per process and step")
+    pre.add_argument("--lr", type=positive_float, default=1e-4)
+    warmup = pre.add_mutually_exclusive_group()
+    warmup.add_argument("--warmup-steps", type=int, default=0)
+    warmup.add_argument("--warmup-ratio", type=float)
+    pre.add_argument("--scheduler", default="linear", choices=["linear", "cosine", "constant"])
+    pre.add_argument("--seed", type=int, default=42)
+    pre.add_argument("--eval-steps", type=positive_int, help="steps between evaluations (default: a quarter run)")
+    pre.add_argument("--num-proc", type=positive_int, help="processes that tokenize the text (datasets.map)")
+    pre.add_argument("--resume", action="store_true", help="continue from the last checkpoint of an unfinished run")
+    pre.add_argument("--force", action="store_true", help="replace an existing output folder, or start over")
+    pre.set_defaults(run=pretrain_command)
 
     export = commands.add_parser("export-bert", help="turn a post-LN EncoderStack folder back into a BERT folder")
     export.add_argument("source")

@@ -229,19 +229,27 @@ def scores(evaluation: dict) -> dict:
             if k.startswith("eval_") and k.removeprefix("eval_") not in timings}
 
 
-def plot_losses(log_history: list[dict], path: Path) -> None:
+def plot_losses(log_history: list[dict], path: Path, title: str = "Fine-tuning loss", eval_key: str = "eval_loss",
+                learning_rate: bool = False) -> None:
+    """Training and evaluation loss against steps, and with `learning_rate` the schedule on a second axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
-    for key, label in (("loss", "training"), ("eval_loss", "evaluation")):
+    for key, label in (("loss", "training"), (eval_key, "evaluation")):
         points = [(entry["step"], entry[key]) for entry in log_history if key in entry]
         if points:
-            axes.plot(*zip(*points), marker="o" if key == "eval_loss" else None, label=label)
-    axes.set(xlabel="step", ylabel="loss", title="Fine-tuning loss")
-    axes.legend()
+            axes.plot(*zip(*points), marker="o" if key == eval_key else None, label=label)
+    axes.set(xlabel="step", ylabel="loss", title=title)
+    axes.legend(loc="upper right")
+    rates = [(entry["step"], entry["learning_rate"]) for entry in log_history if "learning_rate" in entry]
+    if learning_rate and rates:
+        schedule = axes.twinx()
+        schedule.plot(*zip(*rates), color="grey", linestyle=":", label="learning rate")
+        schedule.set_ylabel("learning rate")
+        schedule.legend(loc="center right")
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)

@@ -148,6 +148,7 @@ def build_card(folder, repo_id: str | None = None, extra_tags=()) -> ModelCard:
     environment = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
                                      undefined=jinja2.StrictUndefined)
     environment.filters["cell"] = table_cell
+    environment.filters["name"] = lambda path: Path(path).name  # local paths stay private: the card is public
     template = environment.from_string(files(__package__).joinpath("model_card.md").read_text(encoding="utf-8"))
     content = template.render(
         card_data=card_data.to_yaml(),
@@ -161,6 +162,7 @@ def build_card(folder, repo_id: str | None = None, extra_tags=()) -> ModelCard:
         has_tokenizer=any((folder / name).is_file() for name in TOKENIZER_FILES),
         conversion=provenance(conversion) if conversion is not None else None,
         finetune=read_conversion(folder, "finetune.json"),
+        pretrain=read_conversion(folder, "pretrain.json"),
         has_loss_plot=(folder / "loss.png").is_file(),
         labels=sorted(config.id2label.items()) if pipeline_tag in ("text-classification", "token-classification")
         else [],

@@ -1,0 +1,580 @@
+"""`encoderstack pretrain`: masked-LM pre-training, from scratch or continued from a checkpoint, on transformers'
+Trainer. Every batch is one flattened row (`DataCollatorWithFlattening`: no padding, each sequence attends only to
+itself), masked example by example with transformers' own masking.
+
+Text is `.txt` (one paragraph a line, blank lines between documents), `.jsonl` (a `text` field a line) or a folder of
+them, read line by line (checked as it is read) into a `datasets` Arrow cache that lives only as long as the run.
+"""
+
+import ast
+import copy
+import json
+import math
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+
+from .configuration_encoderstack import EncoderStackConfig
+from .conversion.converter import OutputFolder, sha256
+from .finetune import DataError, FinetuneError, check_settings, is_integer, load_tokenizer, model_config, plot_losses
+from .hub_card import write_card
+from .jsonfile import read_json_object
+from .modeling_encoderstack import EncoderStackForMaskedLM
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+SCHEDULERS = ("linear", "cosine", "constant")
+METRICS = ("mlm_loss", "perplexity", "accuracy")
+EVAL_MASK_SEED = 1234  # one masking of the evaluation text for every run, so that runs compare
+HELD_OUT = 0.1  # of the training documents, when no evaluation text is given
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+class PretrainError(FinetuneError):
+    """A pre-training run that cannot start: its settings, its model or config, or its resume state."""
+
+
+# ---------------------------------------------------------------------------------------------------------------- data
+
+def text_files(path) -> list[Path]:
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+        if not files:
+            raise DataError(f"{path}: no .txt or .jsonl files in the folder")
+        return files
+    if not path.is_file():
+        raise DataError(f"{path}: no such file or folder")
+    if path.suffix not in TEXT_SUFFIXES:
+        raise DataError(f"{path}: not a .txt or .jsonl file")
+    return [path]
+
+
+def jsonl_text(line: str, path: Path, number: int) -> str:
+    try:
+        row = json.loads(line)
+    except ValueError as error:
+        raise DataError(f"{path}: line {number}: not a JSON object ({error})") from None
+    if not isinstance(row, dict) or "text" not in row:
+        raise DataError(f"{path}: line {number}: missing field 'text'")
+    if not isinstance(row["text"], str) or not row["text"].strip():
+        raise DataError(f"{path}: line {number}: field 'text' must be a non-empty string, got {row['text']!r}")
+    return row["text"].strip()
+
+
+def documents(path: Path):
+    """(first line, text) of each document: a `.txt` file's runs of non-blank lines (one paragraph each, joined by
+    newlines), or a `.jsonl` line's `text`. Streams the file; raises DataError naming the line of anything unusable."""
+    found, start, paragraphs = False, None, []
+    with path.open("rb") as stream:
+        for number, raw in enumerate(stream, start=1):
+            try:
+                line = raw.decode("utf-8").removeprefix("\ufeff" if number == 1 else "")
+            except UnicodeDecodeError as error:
+                raise DataError(f"{path}: line {number}: not UTF-8 text ({error.reason} at byte {error.start} of the "
+                                f"line)") from None
+            if path.suffix == ".jsonl":
+                if line.strip():
+                    found = True
+                    yield number, jsonl_text(line, path, number)
+            elif line.strip():
+                start = start or number
+                paragraphs.append(line.strip())
+            elif paragraphs:
+                found = True
+                yield start, "\n".join(paragraphs)
+                start, paragraphs = None, []
+    if paragraphs:
+        yield start, "\n".join(paragraphs)
+    elif not found:
+        raise DataError(f"{path}: no text (the file is empty or blank)")
+
+
+def read_documents(files):
+    """The `datasets` generator: a row per document. `files` carries each file's sha256 so that the cache's
+    fingerprint changes with the contents."""
+    for index, (name, _digest) in enumerate(files):
+        for line, text in documents(Path(name)):
+            yield {"text": text, "file": index, "line": line}
+
+
+def load_documents(files: dict, cache: Path):
+    """The documents of `files` (path -> sha256) as a `datasets.Dataset` cached under `cache`."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # everything here is local; never let datasets look online
+    import datasets
+
+    try:
+        return datasets.Dataset.from_generator(read_documents, cache_dir=str(cache),
+                                               gen_kwargs={"files": [(str(f), d) for f, d in files.items()]})
+    except datasets.exceptions.DatasetGenerationError as error:
+        if isinstance(error.__cause__, DataError):
+            raise error.__cause__ from None
+        raise
+
+
+def chunker(tokenizer, max_length: int, offsets: bool):
+    """`datasets.map` function: each document's tokens, end to end, cut into sequences of at most `max_length`
+    ([CLS] ... [SEP]). With `offsets` (whole-word masking), character offsets that keep words apart across lines."""
+    body, cls, sep = max_length - 2, tokenizer.cls_token_id, tokenizer.sep_token_id
+
+    def chunk(batch):
+        out = {"input_ids": [], "file": [], "length": [], **({"offsets": []} if offsets else {})}
+        for text, file in zip(batch["text"], batch["file"]):
+            lines = text.split("\n")
+            encoded = tokenizer(lines, add_special_tokens=False, return_offsets_mapping=offsets, verbose=False)
+            ids = [token for line in encoded["input_ids"] for token in line]
+            if offsets:
+                spans, base = [], 0
+                for line, line_spans in zip(lines, encoded["offset_mapping"]):
+                    spans += [(base + a, base + b) for a, b in line_spans]
+                    base += len(line) + 1
+            for start in range(0, len(ids), body):
+                out["input_ids"].append([cls, *ids[start : start + body], sep])
+                out["file"].append(file)
+                out["length"].append(len(out["input_ids"][-1]))
+                if offsets:
+                    out["offsets"].append([(0, 0), *spans[start : start + body], (0, 0)])
+        return out
+
+    return chunk
+
+
+class MaskedFlattening:
+    """The collator: masks each sequence on its own with transformers' `DataCollatorForLanguageModeling` logic
+    (BERT's 80/10/10, or whole words), seeded, then flattens the batch into one row. Sequences that already carry
+    labels (the evaluation set, masked once with a fixed seed) are flattened as they are."""
+
+    def __init__(self, tokenizer, mlm_probability: float, whole_word_mask: bool, seed: int):
+        with warnings.catch_warnings():  # whole words: transformers masks with [MASK] only, and says so each time
+            warnings.simplefilter("ignore")
+            self.masking = transformers.DataCollatorForLanguageModeling(
+                tokenizer, mlm_probability=mlm_probability, whole_word_mask=whole_word_mask, seed=seed)
+        self.masking.create_rng("pt")
+        self.special = torch.tensor(tokenizer.all_special_ids)
+        self.flatten = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+
+    def mask(self, example: dict) -> dict:
+        ids = torch.tensor(example["input_ids"])[None]
+        offsets = torch.tensor(example["offsets"])[None] if "offsets" in example else None
+        ids, labels = self.masking.torch_mask_tokens(ids, special_tokens_mask=torch.isin(ids, self.special),
+                                                     offset_mapping=offsets)
+        return {"input_ids": ids[0].tolist(), "labels": labels[0].tolist()}
+
+    def __call__(self, examples):
+        # Trainer evaluates with the training collator too: the evaluation set comes masked once, and stays so
+        return self.flatten([example if "labels" in example else self.mask(example) for example in examples])
+
+
+def data_record(files: dict, chunks) -> list[dict]:
+    """Each file with its sha256 and the sequences and tokens it gave (of the split `chunks` holds)."""
+    per_file = [{"file": str(f), "sha256": digest, "sequences": 0, "tokens": 0} for f, digest in files.items()]
+    for file, length in zip(chunks["file"], chunks["length"]):
+        per_file[file]["sequences"] += 1
+        per_file[file]["tokens"] += length
+    return per_file
+
+
+# --------------------------------------------------------------------------------------------------- model, tokenizer
+
+def config_fields(config) -> dict:
+    """EncoderStackConfig fields from a dict, a JSON file, or `key=value,key=value` (values read as JSON, else as
+    strings)."""
+    if isinstance(config, EncoderStackConfig):
+        return config.to_diff_dict()
+    if isinstance(config, dict):
+        return dict(config)
+    text = str(config)
+    if text.endswith(".json") or Path(text).is_file():
+        return read_json_object(Path(text), PretrainError)
+    fields = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip():
+            raise PretrainError(f"config: {item!r} is not key=value")
+        try:
+            fields[key.strip()] = json.loads(value)
+        except ValueError:
+            fields[key.strip()] = value.strip()
+    return fields
+
+
+def checked_config(config) -> dict:
+    """The fields of a fresh model's config, refused here (before any data is read) if EncoderStackConfig would."""
+    fields = config_fields(config)
+    if unknown := sorted(set(fields) - set(EncoderStackConfig().to_dict())):
+        raise PretrainError(f"config: unknown field {unknown[0]!r} (not an EncoderStackConfig field)")
+    try:
+        EncoderStackConfig(**{"vocab_size": 1, **fields})
+    except Exception as error:  # the config's own validation names the field (huggingface_hub wraps it)
+        raise PretrainError(f"config: {' '.join(str(error.__cause__ or error).split())}") from None
+    return fields
+
+
+def fresh_config(fields: dict, tokenizer) -> EncoderStackConfig:
+    fields = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id, **fields}
+    if not is_integer(fields["vocab_size"]) or fields["vocab_size"] < len(tokenizer):
+        raise PretrainError(f"config: vocab_size {fields['vocab_size']!r} is less than the tokenizer's "
+                            f"{len(tokenizer)} tokens")
+    return EncoderStackConfig(**fields, architectures=["EncoderStackForMaskedLM"])
+
+
+def train_wordpiece(texts, vocab_size: int):
+    """A BERT-style (lower-cased) WordPiece tokenizer trained on `texts` with `tokenizers`."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wordpiece.decoder = decoders.WordPiece()
+    wordpiece.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(
+        SPECIAL_TOKENS), show_progress=False))
+    cls, sep = wordpiece.token_to_id("[CLS]"), wordpiece.token_to_id("[SEP]")
+    wordpiece.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=wordpiece, unk_token="[UNK]", pad_token="[PAD]",
+                                                cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+
+
+def check_tokenizer(tokenizer, where) -> None:
+    for name in ("cls_token", "sep_token", "mask_token"):
+        if getattr(tokenizer, name) is None:
+            raise PretrainError(f"{where}: the tokenizer has no {name}; masked-LM pre-training needs [CLS], [SEP] "
+                                "and [MASK]")
+
+
+def choose_tokenizer(model, tokenizer, train_tokenizer, config, documents):
+    if model is not None:
+        return load_tokenizer(model, config)
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer, {})
+    if not (is_integer(train_tokenizer) and train_tokenizer > len(SPECIAL_TOKENS)):
+        raise PretrainError(f"train_tokenizer must be a vocabulary size above {len(SPECIAL_TOKENS)}, got "
+                            f"{train_tokenizer!r}")
+    return train_wordpiece((row["text"] for row in documents), train_tokenizer)
+
+
+def starting_model(model, config, tokenizer):
+    """The model to train and the tensors it had to initialize (the MLM head of a folder without one)."""
+    if model is None:
+        return EncoderStackForMaskedLM(fresh_config(config, tokenizer)), ["all (a fresh model)"]
+    network, info = EncoderStackForMaskedLM.from_pretrained(model, output_loading_info=True)
+    return network, sorted(info["missing_keys"])
+
+
+# ----------------------------------------------------------------------------------------------------------- training
+
+def token_scores(logits, labels):
+    """Per-token loss and prediction for the metrics (keeping the logits would hold tokens x vocabulary floats)."""
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none")
+    return torch.stack([loss.view(labels.shape), logits.argmax(-1).float()], dim=-1)
+
+
+def mlm_metrics(prediction: transformers.EvalPrediction) -> dict:
+    """Masked-LM loss over every masked token of the evaluation set (not a mean of batch means), its perplexity, and
+    the fraction of masked tokens predicted exactly."""
+    labels = prediction.label_ids
+    keep = labels != -100
+    loss = float(prediction.predictions[..., 0][keep].mean())
+    accuracy = float((prediction.predictions[..., 1][keep] == labels[keep]).mean())
+    return {"mlm_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "accuracy": accuracy}
+
+
+class TokensPerSecond(transformers.ProgressCallback):
+    """Trainer's progress bar, with the training tokens per second (real tokens: the rows carry no padding)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        self.start, self.tokens = time.perf_counter(), state.num_input_tokens_seen
+
+    def on_step_end(self, args, state, control, **kwargs):
+        super().on_step_end(args, state, control, **kwargs)
+        if self.training_bar is not None:
+            rate = (state.num_input_tokens_seen - self.tokens) / max(time.perf_counter() - self.start, 1e-9)
+            self.training_bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
+
+
+class EvaluateAtTheEnd(transformers.TrainerCallback):
+    """The last step is evaluated too, so that the final weights can be the best checkpoint."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_evaluate = True
+
+
+def check_pretrain_settings(mlm_probability, max_length, max_steps, epochs, batch_size, lr, warmup_steps,
+                            warmup_ratio, scheduler, seed, eval_steps) -> None:
+    if max_steps is not None and epochs is not None:
+        raise PretrainError("give max_steps or epochs, not both")
+    check_settings(1.0 if epochs is None else epochs, batch_size, lr, max_length, seed, 1)
+    if not (isinstance(mlm_probability, (int, float)) and 0 < mlm_probability < 1):
+        raise PretrainError(f"mlm_probability must lie strictly between 0 and 1, got {mlm_probability!r}")
+    if max_length < 3:
+        raise PretrainError(f"max_length must be at least 3 ([CLS], a token, [SEP]), got {max_length}")
+    for name, value in (("max_steps", max_steps), ("eval_steps", eval_steps)):
+        if value is not None and not (is_integer(value) and value > 0):
+            raise PretrainError(f"{name} must be a positive integer, got {value!r}")
+    if warmup_steps and warmup_ratio is not None:
+        raise PretrainError("give warmup_steps or warmup_ratio, not both")
+    if not (is_integer(warmup_steps) and warmup_steps >= 0):
+        raise PretrainError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
+    if warmup_ratio is not None and not (isinstance(warmup_ratio, (int, float)) and 0 <= warmup_ratio < 1):
+        raise PretrainError(f"warmup_ratio must lie in [0, 1), got {warmup_ratio!r}")
+    if scheduler not in SCHEDULERS:
+        raise PretrainError(f"unknown scheduler {scheduler!r}; choose from {', '.join(SCHEDULERS)}")
+
+
+def scratch_folder(destination: OutputFolder) -> Path:
+    """Checkpoints live beside the output, hidden, until the run has finished: `resume` picks up the last one."""
+    return destination.path.parent / f".{destination.path.name}.checkpoints"
+
+
+def resume_point(scratch: Path, resume: bool, force: bool, settings: dict) -> str | None:
+    last = transformers.trainer_utils.get_last_checkpoint(str(scratch)) if scratch.is_dir() else None
+    if resume:
+        if last is None:
+            raise PretrainError(f"{scratch}: no checkpoint to resume from")
+        saved = read_json_object(scratch / "settings.json", PretrainError)
+        if changed := [key for key in settings if saved.get(key) != settings[key]]:
+            raise PretrainError(f"{scratch}: the interrupted run had {changed[0]}={saved.get(changed[0])!r}, this one "
+                                f"{settings[changed[0]]!r}; resume with the same settings")
+        return last
+    if last is not None and not force:
+        raise PretrainError(f"{scratch}: checkpoints of an unfinished run; pass --resume (resume=True) to continue "
+                            "it or --force (force=True) to start over")
+    return None
+
+
+def pretrain(model=None, config=None, tokenizer=None, train=None, eval=None, output="encoderstack-pretrained",
+             mlm_probability=0.15, whole_word_mask=False, max_length=128, max_steps=None, epochs=None, batch_size=32,
+             lr=1e-4, warmup_steps=0, warmup_ratio=None, scheduler="linear", seed=42, eval_steps=None,
+             resume=False, force=False, train_tokenizer=None, num_proc=None, **training_args) -> dict:
+    """Masked-LM pre-training of `model` (an EncoderStack or BERT folder, converted on the fly) or of a fresh model
+    from `config` (fields as a dict, a JSON file or `key=value,...`) with `tokenizer` (a folder) or a WordPiece
+    tokenizer trained on `train` (`train_tokenizer`: its vocabulary size). Evaluates on `eval` (default: a held-out
+    tenth of the training documents) before training and every `eval_steps` (default: a quarter of the run), keeps
+    the best checkpoint, and writes it to `output` with the tokenizer, `pretrain.json`, `loss.png` and a model card.
+
+    Settings, model folder and data are all checked before any model is built (PretrainError, DataError)."""
+    if train is None:
+        raise PretrainError("no training text given (train, --train)")
+    check_pretrain_settings(mlm_probability, max_length, max_steps, epochs, batch_size, lr, warmup_steps,
+                            warmup_ratio, scheduler, seed, eval_steps)
+    try:
+        import datasets  # noqa: F401  (fail before any work, not after it)
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise PretrainError(f"pre-training needs {error.name}: pip install 'encoderstack[pretrain]'") from None
+    if (model is None) == (config is None):
+        raise PretrainError("give a model folder (model, --model) or a fresh model's config (config, --config)")
+    if model is not None and (tokenizer is not None or train_tokenizer is not None):
+        raise PretrainError(f"{model}: continued pre-training uses the model folder's own tokenizer")
+    if model is None and (tokenizer is None) == (train_tokenizer is None):
+        raise PretrainError("a fresh model (config) needs exactly one of tokenizer (a folder) or train_tokenizer "
+                            "(a vocabulary size)")
+    folder_config = model_config(model) if model is not None else None
+    config = checked_config(config) if config is not None else None
+    check_positions(max_length, folder_config or config)
+    train_files = {f: sha256(f) for f in text_files(train)}
+    eval_files = {f: sha256(f) for f in text_files(eval)} if eval is not None else {}
+    destination = OutputFolder(output, force)
+    scratch = scratch_folder(destination)
+    settings = {"mlm_probability": mlm_probability, "whole_word_mask": whole_word_mask, "max_length": max_length,
+                "max_steps": max_steps, "epochs": epochs, "batch_size": batch_size, "learning_rate": lr,
+                "warmup_steps": warmup_steps, "warmup_ratio": warmup_ratio, "scheduler": scheduler, "seed": seed,
+                "eval_steps": eval_steps}
+    checkpoint = resume_point(scratch, resume, force, settings)
+    with tempfile.TemporaryDirectory(prefix=f".{destination.path.name}.data-", dir=destination.path.parent) as cache:
+        train_docs = load_documents(train_files, Path(cache) / "train")
+        if eval_files:
+            eval_docs = load_documents(eval_files, Path(cache) / "eval")
+        else:
+            split = held_out(train_docs, train, seed)
+            train_docs, eval_docs = split["train"], split["test"]
+        tokenizer = choose_tokenizer(model, tokenizer, train_tokenizer, folder_config, train_docs)
+        check_tokenizer(tokenizer, model or "tokenizer")
+        chunk = chunker(tokenizer, max_length, whole_word_mask)
+        train_set, eval_set = (docs.map(chunk, batched=True, remove_columns=docs.column_names, num_proc=num_proc,
+                                        new_fingerprint=f"{name}-chunks", desc=f"Tokenizing the {name} text")
+                               for name, docs in (("train", train_docs), ("eval", eval_docs)))
+        record = {
+            "base_model": str(model) if model is not None else None,
+            "data": {"train": data_record(train_files, train_set),
+                     "eval": data_record(eval_files, eval_set) if eval_files else
+                     f"{len(eval_docs)} held-out training documents",
+                     "train_sequences": len(train_set), "train_tokens": sum(train_set["length"]),
+                     "eval_sequences": len(eval_set), "eval_tokens": sum(eval_set["length"])},
+            "settings": settings,
+        }
+        eval_set = eval_set.map(MaskedFlattening(tokenizer, mlm_probability, whole_word_mask, EVAL_MASK_SEED).mask,
+                                remove_columns=eval_set.column_names, new_fingerprint="eval-masked",
+                                desc="Masking the eval text")
+        record["data"]["eval_masked_tokens"] = sum(sum(label != -100 for label in row) for row in eval_set["labels"])
+        train_set = train_set.select_columns(["input_ids", *(["offsets"] if whole_word_mask else [])])
+        return train_and_save(model, config, tokenizer, train_set, eval_set, destination, scratch, checkpoint,
+                              record, training_args)
+
+
+def check_positions(max_length: int, config: dict) -> None:
+    if config.get("position_embedding_type", "absolute") == "absolute":
+        positions = config.get("max_position_embeddings", EncoderStackConfig().max_position_embeddings)
+        if max_length > positions:
+            raise PretrainError(f"max_length {max_length} is more than the model's {positions} learned positions "
+                                "(max_position_embeddings)")
+
+
+def held_out(documents, train, seed: int):
+    """A seeded tenth of the training documents for evaluation (whole documents: no sequence is in both)."""
+    if len(documents) < 2:
+        raise DataError(f"{train}: {len(documents)} document; holding out evaluation text needs at least 2 (or give "
+                        "eval, --eval)")
+    return documents.train_test_split(test_size=max(1, round(HELD_OUT * len(documents))), seed=seed)
+
+
+def train_and_save(model, config, tokenizer, train_set, eval_set, destination, scratch, checkpoint, record,
+                   training_args) -> dict:
+    settings = record["settings"]
+    warmup = settings["warmup_ratio"] if settings["warmup_ratio"] is not None else settings["warmup_steps"]
+    scheduler = settings["scheduler"] + ("_with_warmup" if settings["scheduler"] == "constant" and warmup else "")
+    interval = settings["eval_steps"] or 0.25
+    try:
+        args = transformers.TrainingArguments(
+            output_dir=str(scratch), max_steps=settings["max_steps"] or -1,
+            num_train_epochs=settings["epochs"] or 1.0, per_device_train_batch_size=settings["batch_size"],
+            per_device_eval_batch_size=settings["batch_size"], learning_rate=settings["learning_rate"],
+            warmup_steps=warmup, lr_scheduler_type=scheduler, weight_decay=0.01, seed=settings["seed"],
+            eval_strategy="steps", eval_steps=interval, save_strategy="steps", save_steps=interval,
+            logging_steps=0.05, logging_first_step=True, load_best_model_at_end=True,
+            metric_for_best_model="mlm_loss", greater_is_better=False, save_total_limit=1,
+            include_num_input_tokens_seen=True, remove_unused_columns=False, report_to=[],
+            use_cpu=not torch.cuda.is_available(), **training_args,
+        )
+    except ValueError as error:
+        raise PretrainError(f"training settings: {' '.join(str(error).split())}") from None
+    transformers.set_seed(settings["seed"])
+    network, initialized = starting_model(model, config, tokenizer)
+    if args.should_save:
+        if checkpoint is None:  # starting over (force): an older run's checkpoints must not pass for this one's
+            shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True, exist_ok=True)
+        (scratch / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
+    trainer = transformers.Trainer(
+        model=network, args=args, train_dataset=train_set, eval_dataset=eval_set,
+        data_collator=MaskedFlattening(tokenizer, settings["mlm_probability"], settings["whole_word_mask"],
+                                       settings["seed"]),
+        compute_metrics=mlm_metrics, preprocess_logits_for_metrics=token_scores, callbacks=[EvaluateAtTheEnd()])
+    trainer.remove_callback(transformers.ProgressCallback)
+    trainer.add_callback(TokensPerSecond())
+    # The starting point is scored after training, on a copy, as in finetune (DDP: see finetune.train_and_save).
+    baseline = copy.deepcopy(network)
+    try:
+        result = trainer.train(resume_from_checkpoint=checkpoint)
+    except BaseException:  # an interrupted run keeps its checkpoints for --resume; one that saved none leaves nothing
+        if args.should_save and transformers.trainer_utils.get_last_checkpoint(str(scratch)) is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    history = list(trainer.state.log_history)
+    best_step = int(Path(trainer.state.best_model_checkpoint).name.split("-")[-1])
+    # the best checkpoint's own evaluation: the eval masking is fixed, so evaluating it again would repeat it exactly
+    after = next(entry for entry in history if "eval_mlm_loss" in entry and entry["step"] == best_step)
+    evaluator = transformers.Trainer(model=baseline, args=args, eval_dataset=eval_set,
+                                     data_collator=trainer.data_collator, compute_metrics=mlm_metrics,
+                                     preprocess_logits_for_metrics=token_scores)
+    evaluator.remove_callback(transformers.ProgressCallback)
+    before = evaluator.evaluate()
+    del baseline
+    trained_tokens = trainer.state.num_input_tokens_seen
+    record = {
+        **record,
+        "initialized": initialized,
+        "eval_loss_before": before["eval_mlm_loss"], "eval_loss_after": after["eval_mlm_loss"],
+        "before": {name: before[f"eval_{name}"] for name in METRICS},
+        "after": {name: after[f"eval_{name}"] for name in METRICS},
+        "steps": trainer.state.global_step, "trained_tokens": trained_tokens,
+        "train_tokens_per_second": result.metrics.get("train_runtime") and trained_tokens / result.metrics[
+            "train_runtime"],
+        "best_checkpoint_step": best_step,
+        "resumed_from_step": int(Path(checkpoint).name.split("-")[-1]) if checkpoint else None,
+        "evaluations": [{"step": 0, **before}] + [entry for entry in history if "eval_mlm_loss" in entry],
+        "world_size": args.world_size, "python": sys.version.split()[0],
+    }
+    if trainer.is_world_process_zero():
+        with destination as folder:
+            trainer.save_model(folder)
+            tokenizer.save_pretrained(folder)
+            (folder / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
+            plot_losses([{"step": 0, "eval_mlm_loss": before["eval_mlm_loss"]}, *history], folder / "loss.png",
+                        title="Pre-training loss", eval_key="eval_mlm_loss", learning_rate=True)
+            write_card(folder, repo_id=destination.path.name)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return record
+
+
+# ------------------------------------------------------------------------------------------------ the stdlib corpus
+
+SKIPPED_PARTS = {"test", "tests", "idle_test", "idlelib", "turtledemo", "lib2to3", "pydoc_data", "site-packages"}
+
+
+def stdlib_sources():
+    """The installed Python's standard-library source files, in a fixed order (modules sorted by name)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for name in sorted(sys.stdlib_module_names):
+        if name.startswith("_") or name in SKIPPED_PARTS or name in ("this", "antigravity"):
+            continue
+        if (root / f"{name}.py").is_file():
+            yield root / f"{name}.py"
+        elif (root / name / "__init__.py").is_file():
+            yield from sorted(p for p in (root / name).rglob("*.py")
+                              if not SKIPPED_PARTS & set(p.relative_to(root).parts))
+
+
+def docstrings(path: Path):
+    with warnings.catch_warnings():  # old escape sequences in a few stdlib files
+        warnings.simplefilter("ignore")
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            return
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            text = ast.get_docstring(node, clean=True)  # what inspect.getdoc gives for the live object
+            if text:
+                yield text
+
+
+def prose(docstring: str) -> str:
+    """A docstring's paragraphs of running text, one a line: no code, no doctests, no tables or argument lists."""
+    paragraphs = []
+    for block in docstring.split("\n\n"):
+        lines = block.splitlines()
+        if any(line.startswith((" ", ">>>", "...", "-", "*", "|", "=")) for line in lines):
+            continue
+        text = " ".join(line.strip() for line in lines)
+        if len(text.split()) >= 6 and sum(c.isalpha() for c in text) > 0.7 * len(text.replace(" ", "")):
+            paragraphs.append(text)
+    return "\n".join(paragraphs)
+
+
+def stdlib_corpus(path, max_bytes: int = 500_000) -> Path:
+    """Write a real English corpus nobody on this project wrote: the prose of the installed Python's standard-library
+    docstrings (PSF licence), one docstring a document, one paragraph a line, whole documents up to `max_bytes`.
+    The same Python gives the same bytes every time."""
+    path, written, seen = Path(path), 0, set()
+    with path.open("w", encoding="utf-8") as out:
+        for source in stdlib_sources():
+            for text in map(prose, docstrings(source)):
+                size = len(text.encode()) + 2
+                if not text or text in seen:
+                    continue
+                if written + size > max_bytes:
+                    return path
+                seen.add(text)
+                out.write(text + "\n\n")
+                written += size
+    return path

