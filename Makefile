@@ -5,13 +5,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: demo test clean
+.PHONY: demo test lint clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e ".[demo,test]"
+	$(BIN)/pip install --quiet -e ".[demo,test,lint]"
 	touch $@
 
 demo: $(BIN)/.installed
@@ -20,6 +20,10 @@ demo: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 clean:
 	rm -rf $(VENV) encoderstack-all-MiniLM-L6-v2 encoderstack-finetuned

@@ -10,8 +10,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import encoderstack  # noqa: E402  (registers the Auto classes)
 from encoderstack import EncoderStackConfig  # noqa: E402
+from encoderstack.configuration_encoderstack import NORM_PLACEMENTS  # noqa: E402
 
-PLACEMENTS = ("post", "pre", "sandwich", "deepnorm", "resi_dual")
+PLACEMENTS = NORM_PLACEMENTS
 BACKENDS = ("eager", "sdpa")
 HEADS = (
     encoderstack.EncoderStackModel,

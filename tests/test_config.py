@@ -44,10 +44,12 @@ def test_a_config_survives_a_save_and_load(tmp_path):
     "fields, message",
     [
         ({"hidden_size": 30, "num_attention_heads": 4}, "`hidden_size` (30) must be divisible by `num_attention_heads` (4)"),
-        ({"norm_placement": "middle"}, "Unknown `norm_placement` 'middle'"),
-        ({"norm_type": "batchnorm"}, "Unknown `norm_type` 'batchnorm'"),
+        ({"norm_placement": "middle"}, "Field 'norm_placement' expected one of ('post', 'pre', 'sandwich', 'deepnorm', "
+                                        "'resi_dual'), got middle"),
+        ({"norm_type": "batchnorm"}, "Field 'norm_type' expected one of ('layernorm', 'rmsnorm'), got batchnorm"),
         ({"hidden_act": "sparkle"}, "Unknown `hidden_act` 'sparkle'"),
-        ({"position_embedding_type": "relative_key"}, "Unknown `position_embedding_type` 'relative_key'"),
+        ({"position_embedding_type": "relative_key"}, "Field 'position_embedding_type' expected one of ('absolute', "
+                                                     "'sinusoidal', 'rope'), got relative_key"),
         ({"num_hidden_layers": 0}, "`num_hidden_layers` must be a positive integer, got 0"),
         ({"vocab_size": -5}, "`vocab_size` must be a positive integer, got -5"),
         ({"hidden_dropout_prob": 1.0}, "`hidden_dropout_prob` must lie in [0, 1), got 1.0"),

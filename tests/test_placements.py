@@ -8,6 +8,8 @@ import torch
 from conftest import PLACEMENTS, batch, build, real
 
 from encoderstack import EncoderStackModel
+from encoderstack.configuration_encoderstack import PLACEMENT_EQUATIONS
+from encoderstack.modeling_encoderstack import PLACEMENTS as POLICY
 
 
 def norm(module, x, norm_type):
@@ -210,3 +212,16 @@ def test_resi_dual_feeds_the_normalized_stream_to_the_next_sublayer():
         expected = norm(layer.attention_residual.norm_out, embedded + first, model.config.norm_type)
     mask = inputs["attention_mask"]
     torch.testing.assert_close(real(captured[0], mask), real(expected, mask), atol=1e-5, rtol=0)
+
+
+def test_the_policy_table_has_one_row_for_every_placement_the_config_accepts_and_nothing_else():
+    assert tuple(POLICY) == PLACEMENTS
+    assert tuple(PLACEMENT_EQUATIONS) == PLACEMENTS
+
+
+def test_only_deepnorm_scales_the_residual_and_the_init_and_only_resi_dual_keeps_a_second_stream():
+    for name, placement in POLICY.items():
+        scaled = placement.alpha(6) != 1.0 or placement.init_gain(6) != 1.0
+        assert scaled == (name == "deepnorm"), name
+        assert placement.dual_stream == (name == "resi_dual"), name
+    assert POLICY["deepnorm"].init_gain(6) == pytest.approx(48**-0.25)

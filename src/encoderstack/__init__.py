@@ -1,11 +1,15 @@
 """EncoderStack: BERT's encoder stack with the normalization placement as a config choice, as a transformers plugin.
 
-Importing the package registers the config and every model class with the Auto classes (importing twice is harmless).
+Importing the package calls `register()`: the Auto classes, and the hooks it adds to the model classes.
 """
 
-import transformers
+from importlib.metadata import version
 
-from . import modeling_encoderstack
+__version__ = version("encoderstack")  # its one source is pyproject.toml
+
+import transformers  # noqa: E402
+
+from . import modeling_encoderstack  # noqa: E402
 from .configuration_encoderstack import EncoderStackConfig
 from .modeling_encoderstack import (
     AUTO_MAP,
@@ -18,11 +22,24 @@ from .modeling_encoderstack import (
     EncoderStackModel,
     EncoderStackPreTrainedModel,
 )
+from .conversion import ConversionError, convert, export_bert, load_converted
+from .export_onnx import ExportError, export_onnx
+from .hub import push_folder, push_model
+from .hub_card import HubError, build_card, write_card
+from .output_folder import OutputFolderError
 
-__version__ = "0.1.0"
 
+def register() -> None:
+    """Everything the installed package adds to transformers and to the model classes, in one place (importing the
+    package calls it; calling it again is harmless):
 
-def _register() -> None:
+    - the config and every model class, registered with the Auto classes;
+    - `from_pretrained` of every EncoderStack class also converts BERT checkpoints on the fly (`load_converted`);
+    - `push_to_hub` checks what it sends and writes the EncoderStack model card (`push_model`).
+
+    The two model files travel with every checkpoint for `trust_remote_code=True`; there these hooks are None and the
+    classes load EncoderStack checkpoints and push the way transformers does.
+    """
     transformers.AutoConfig.register(EncoderStackConfig.model_type, EncoderStackConfig, exist_ok=True)
     EncoderStackConfig.register_for_auto_class()
     for auto_name, reference in AUTO_MAP.items():
@@ -31,15 +48,11 @@ def _register() -> None:
         model_class = getattr(modeling_encoderstack, reference.split(".")[-1])
         getattr(transformers, auto_name).register(EncoderStackConfig, model_class, exist_ok=True)
         model_class.register_for_auto_class(auto_name)
+    EncoderStackPreTrainedModel.checkpoint_converter = staticmethod(load_converted)
+    EncoderStackPreTrainedModel.hub_publisher = staticmethod(push_model)
 
 
-_register()
-
-from .conversion import ConversionError, convert, export_bert  # noqa: E402  (after registration: it needs it)
-from .export_onnx import ExportError, export_onnx  # noqa: E402
-from .hub import push_folder  # noqa: E402  (also makes every model's push_to_hub publish the EncoderStack way)
-from .hub_card import HubError, build_card, write_card  # noqa: E402
-from .output_folder import OutputFolderError  # noqa: E402
+register()
 
 __all__ = [
     "AUTO_MAP",
@@ -52,6 +65,7 @@ __all__ = [
     "export_bert",
     "export_onnx",
     "push_folder",
+    "register",
     "write_card",
     "EncoderStackConfig",
     "EncoderStackPreTrainedModel",

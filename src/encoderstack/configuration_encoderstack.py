@@ -5,14 +5,22 @@ that `trust_remote_code=True` works on machines without the package.
 """
 
 import math
+from typing import Literal, get_args
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
-NORM_PLACEMENTS = ("post", "pre", "sandwich", "deepnorm", "resi_dual")
-NORM_TYPES = ("layernorm", "rmsnorm")
-POSITION_EMBEDDING_TYPES = ("absolute", "sinusoidal", "rope")
+NormPlacement = Literal["post", "pre", "sandwich", "deepnorm", "resi_dual"]
+NORM_PLACEMENTS = get_args(NormPlacement)
+# One line each, for the model card (the README gives the equations in full).
+PLACEMENT_EQUATIONS = {
+    "post": "`h = LN(h + Drop(F(h)))`, as BERT",
+    "pre": "`h = h + Drop(F(LN(h)))`, then a final `LN`",
+    "sandwich": "`h = h + Drop(LN_out(F(LN_in(h))))`, then a final `LN`",
+    "deepnorm": "`h = LN(α·h + Drop(F(h)))` with `α = (2N)^(1/4)`",
+    "resi_dual": "`f = Drop(F(a)); a = LN(a + f); d = d + f`, output `a + LN_final(d)`",
+}
 GATED_ACTIVATIONS = {"geglu": "gelu", "swiglu": "silu"}
 
 
@@ -61,18 +69,25 @@ class EncoderStackConfig(PreTrainedConfig):
     pad_token_id: int | None = 0
     classifier_dropout: float | int | None = None
     tie_word_embeddings: bool = True
-    norm_placement: str = "post"
-    norm_type: str = "layernorm"
+    norm_placement: NormPlacement = "post"
+    norm_type: Literal["layernorm", "rmsnorm"] = "layernorm"
     embedding_norm: bool = True
-    position_embedding_type: str = "absolute"
+    position_embedding_type: Literal["absolute", "sinusoidal", "rope"] = "absolute"
     rope_theta: float | int = 10000.0
     resi_dual_scale: float | int = 1.0
     padding_free: bool = True
 
     def validate_architecture(self):
         """Part of `@strict` validation: every message names the field and the offending value."""
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                     "max_position_embeddings", "type_vocab_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "type_vocab_size",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)}.")
         if self.hidden_size % self.num_attention_heads != 0:
@@ -80,15 +95,10 @@ class EncoderStackConfig(PreTrainedConfig):
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
                 f"({self.num_attention_heads})."
             )
-        choices = {
-            "norm_placement": NORM_PLACEMENTS,
-            "norm_type": NORM_TYPES,
-            "position_embedding_type": POSITION_EMBEDDING_TYPES,
-            "hidden_act": (*ACT2FN.keys(), *GATED_ACTIVATIONS),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"Unknown `{name}` {getattr(self, name)!r}; expected one of {sorted(allowed)}.")
+        if self.hidden_act not in (*ACT2FN, *GATED_ACTIVATIONS):
+            raise ValueError(
+                f"Unknown `hidden_act` {self.hidden_act!r}; expected one of {sorted((*ACT2FN, *GATED_ACTIVATIONS))}."
+            )
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < 1:

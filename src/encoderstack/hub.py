@@ -172,9 +172,6 @@ def push_model(model, repo_id: str, *, commit_message: str | None = None, commit
                            commit_description=commit_description, create_pr=create_pr)
 
 
-EncoderStackPreTrainedModel.hub_publisher = staticmethod(push_model)
-
-
 def card_command(args) -> int:
     print(f"wrote {write_card(args.folder)}")
     return 0

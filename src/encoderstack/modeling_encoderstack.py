@@ -9,8 +9,8 @@ copies this file next to the weights so that `trust_remote_code=True` works with
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 from torch import nn
@@ -28,7 +28,8 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import ModelOutput, logging
+from transformers.processing_utils import Unpack
+from transformers.utils import ModelOutput, TransformersKwargs, logging
 from transformers.utils.generic import can_return_tuple, is_flash_attention_requested
 from transformers.utils.output_capturing import capture_outputs
 
@@ -46,16 +47,6 @@ def make_norm(config: EncoderStackConfig) -> nn.Module:
     if config.norm_type == "rmsnorm":
         return nn.RMSNorm(config.hidden_size, eps=config.layer_norm_eps)
     return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-
-
-def deepnorm_alpha(config: EncoderStackConfig) -> float:
-    """DeepNet's residual scale for an N-layer encoder: alpha = (2N)^(1/4); 1 for every other placement."""
-    return (2 * config.num_hidden_layers) ** 0.25 if config.norm_placement == "deepnorm" else 1.0
-
-
-def deepnorm_beta(config: EncoderStackConfig) -> float:
-    """DeepNet's init gain for the value/output projections and the FFN: beta = (8N)^(-1/4); 1 otherwise."""
-    return (8 * config.num_hidden_layers) ** -0.25 if config.norm_placement == "deepnorm" else 1.0
 
 
 def sinusoidal_positions(position_ids: torch.Tensor, dim: int) -> torch.Tensor:
@@ -124,6 +115,9 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
+VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # transformers' names
+
+
 class PackedSequences:
     """Sequences laid end to end in one row of real tokens, described the way transformers' flash-attention path
     describes them: cumulative lengths `cu_seq_lens` (0, l1, l1 + l2, ...) and the longest length.
@@ -134,12 +128,13 @@ class PackedSequences:
     sequence alone, through the kwargs `cu_seq_lens_q/k` and `max_length_q/k` (see `packed_attention`).
     """
 
-    def __init__(self, lengths: list[int], shape: tuple[int, int], device, index: torch.Tensor | None = None):
-        self.varlen = True  # attention reads the packed row and `cu_seq_lens`; False: a block-diagonal mask instead
+    def __init__(self, lengths: list[int], shape: tuple[int, int], device, index=None, varlen: bool = True):
         self.lengths = [length for length in lengths if length]  # a row of only padding holds no sequence
         self.shape = shape  # the input's (batch, seq)
         self.index = index  # the real tokens' flat positions in a padded input; None when the rows are the tokens
-        self.cu_seq_lens = torch.tensor([0, *accumulate(self.lengths)], dtype=torch.int32, device=device)
+        self.varlen = varlen  # attention reads the packed row and `cu_seq_lens`; False: a block-diagonal mask instead
+        self.lengths_tensor = torch.tensor(self.lengths, dtype=torch.long, device=device)
+        self.cu_seq_lens = nn.functional.pad(self.lengths_tensor.cumsum(0), (1, 0)).int()
         self.max_length = max(self.lengths, default=0)
 
     @classmethod
@@ -148,10 +143,11 @@ class PackedSequences:
         return cls(lengths, tuple(real.shape), real.device, real.flatten().nonzero().squeeze(-1))
 
     @classmethod
-    def from_starts(cls, starts: torch.Tensor) -> "PackedSequences":
+    def from_starts(cls, starts: torch.Tensor, varlen: bool) -> "PackedSequences":
         """Flattened rows: `starts` marks the first token of every sequence (the first of each row among them)."""
         bounds = [*starts.flatten().nonzero().squeeze(-1).tolist(), starts.numel()]
-        return cls([end - start for start, end in zip(bounds, bounds[1:])], tuple(starts.shape), starts.device)
+        lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+        return cls(lengths, tuple(starts.shape), starts.device, varlen=varlen)
 
     @property
     def flattened(self) -> bool:
@@ -171,18 +167,16 @@ class PackedSequences:
         return flat.unflatten(0, self.shape)
 
     def attention_kwargs(self) -> dict:
-        return {"cu_seq_lens_q": self.cu_seq_lens, "cu_seq_lens_k": self.cu_seq_lens,
-                "max_length_q": self.max_length, "max_length_k": self.max_length}
+        return dict(zip(VARLEN_KWARGS, (self.cu_seq_lens, self.cu_seq_lens, self.max_length, self.max_length)))
 
     def sequence_ids(self) -> torch.Tensor:
         """(batch, seq): which sequence each token of flattened rows belongs to (for a block-diagonal mask)."""
-        lengths = torch.tensor(self.lengths, device=self.cu_seq_lens.device)
-        return torch.arange(len(self.lengths), device=lengths.device).repeat_interleave(lengths).view(self.shape)
+        sequences = torch.arange(len(self.lengths), device=self.lengths_tensor.device)
+        return sequences.repeat_interleave(self.lengths_tensor).view(self.shape)
 
     def position_ids(self) -> torch.Tensor:
         """(batch, seq) of flattened rows: each token's position within its own sequence."""
-        lengths = torch.tensor(self.lengths, device=self.cu_seq_lens.device)
-        starts = self.cu_seq_lens[:-1].long().repeat_interleave(lengths)
+        starts = self.cu_seq_lens[:-1].long().repeat_interleave(self.lengths_tensor)
         return (torch.arange(starts.numel(), device=starts.device) - starts).view(self.shape)
 
     def first_tokens(self, packed: torch.Tensor) -> torch.Tensor:
@@ -192,52 +186,62 @@ class PackedSequences:
     def by_sequence(self, packed: torch.Tensor, fill=0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(1, tokens, ...) -> (sequences, max_length, ...) with `fill` past each end, and where the tokens are."""
         rows = nn.utils.rnn.pad_sequence(packed[0].split(self.lengths), batch_first=True, padding_value=fill)
-        lengths = torch.tensor(self.lengths, device=rows.device)
-        return rows, torch.arange(rows.shape[1], device=rows.device) < lengths[:, None]
+        return rows, torch.arange(rows.shape[1], device=rows.device) < self.lengths_tensor[:, None]
 
 
-VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+class EncoderStackKwargs(TransformersKwargs, total=False):
+    """transformers' forward kwargs, and ours: `padding_free` overrides `config.padding_free` for one call;
+    `packing` is how a task head hands the encoder the `PackedSequences` it decided on (see `packing_for`)."""
+
+    padding_free: bool | None
+    packing: PackedSequences | None
 
 
-def flattened_rows(position_ids, real, shape, device, kwargs) -> PackedSequences | None:
+def flattened_rows(position_ids, real, shape, device, kwargs, varlen: bool) -> PackedSequences | None:
     """The sequences of flattened rows, from `cu_seq_lens_q/k` or from `position_ids` that restart (a new sequence
     starts wherever a position is not the previous one + 1, as in transformers' masks); None when every row is one
     sequence. Checks what it reads: a packing that does not fit the batch would silently mix sequences."""
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if cu_seq_lens is not None:
-        packing = packing_from_cu_seq_lens(cu_seq_lens, kwargs, shape, device)
+        packing = packing_from_cu_seq_lens(cu_seq_lens, kwargs, shape, device, varlen)
     elif position_ids is not None and shape[1] > 1:
         restarts = position_ids.expand(shape).diff(dim=-1) != 1
         if real is not None:  # only between two real tokens: positions at padding say nothing
             restarts &= real[:, 1:] & real[:, :-1]
         if not restarts.any():
             return None
-        packing = PackedSequences.from_starts(nn.functional.pad(restarts, (1, 0), value=True))
+        packing = PackedSequences.from_starts(nn.functional.pad(restarts, (1, 0), value=True), varlen)
     else:
         return None
     if real is not None and not real.all():
-        raise ValueError("Flattened rows (`position_ids` that restart inside a row, or `cu_seq_lens_q`) cannot also "
-                         "have padding in `attention_mask`: pass a padded batch or flattened rows, not both.")
+        raise ValueError(
+            "Flattened rows (`position_ids` that restart inside a row, or `cu_seq_lens_q`) cannot also "
+            "have padding in `attention_mask`: pass a padded batch or flattened rows, not both."
+        )
     return packing
 
 
-def packing_from_cu_seq_lens(cu_seq_lens, kwargs, shape, device) -> PackedSequences:
+def packing_from_cu_seq_lens(cu_seq_lens, kwargs, shape, device, varlen: bool) -> PackedSequences:
     cu_seq_lens_k = kwargs.get("cu_seq_lens_k")
     if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k.to(cu_seq_lens.device), cu_seq_lens):
-        raise ValueError("`cu_seq_lens_k` must equal `cu_seq_lens_q`: an encoder's queries and keys are the same "
-                         "tokens.")
+        raise ValueError(
+            "`cu_seq_lens_k` must equal `cu_seq_lens_q`: an encoder's queries and keys are the same tokens."
+        )
     bounds = cu_seq_lens.tolist() if cu_seq_lens.dim() == 1 and not cu_seq_lens.is_floating_point() else None
     tokens = shape[0] * shape[1]
     if not bounds or bounds[0] != 0 or bounds[-1] != tokens or any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"`cu_seq_lens_q` must be a 1-D integer tensor rising from 0 to the number of tokens "
-                         f"({tokens}), got {bounds if bounds else tuple(cu_seq_lens.shape)}.")
+        raise ValueError(
+            f"`cu_seq_lens_q` must be a 1-D integer tensor rising from 0 to the number of tokens "
+            f"({tokens}), got {bounds if bounds else tuple(cu_seq_lens.shape)}."
+        )
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     for name in ("max_length_q", "max_length_k"):
         given = kwargs.get(name)
         if given is not None and int(given) < max(lengths):
-            raise ValueError(f"`{name}` is {int(given)}, but `cu_seq_lens_q` holds a sequence of {max(lengths)} "
-                             "tokens.")
-    return PackedSequences(lengths, shape, device)
+            raise ValueError(
+                f"`{name}` is {int(given)}, but `cu_seq_lens_q` holds a sequence of {max(lengths)} tokens."
+            )
+    return PackedSequences(lengths, shape, device, varlen=varlen)
 
 
 def one_sequence_at_a_time(attention):
@@ -253,12 +257,11 @@ def one_sequence_at_a_time(attention):
     return attend
 
 
-def sdpa_varlen_attention_forward(module, query, key, value, attention_mask, cu_seq_lens_q, cu_seq_lens_k,
-                                  max_length_q, max_length_k, scaling=None, dropout=0.0, **kwargs):
+def sdpa_varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """torch's `varlen_attn` (flash, CUDA, half precision): every packed sequence in one call. It has no dropout
     argument, so `varlen_attention` does not choose it when attention dropout is on."""
     query, key, value = (x.transpose(1, 2).squeeze(0) for x in (query, key, value))  # (tokens, heads, head_dim)
-    context = varlen_attn(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scale=scaling)
+    context = varlen_attn(query, key, value, *(kwargs[name] for name in VARLEN_KWARGS), scale=scaling)
     return context.unsqueeze(0), None
 
 
@@ -282,8 +285,13 @@ def packed_attention(config: EncoderStackConfig, device: torch.device, dtype: to
     kernel = varlen_attention(config, device, dtype, training)
     if kernel is not None:
         return kernel
-    return one_sequence_at_a_time(ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation,
-                                                                        eager_attention_forward))
+    return one_sequence_at_a_time(
+        ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+    )
+
+
+class BranchProjection(nn.Linear):
+    """A projection whose init the placement scales (DeepNet's beta): value, attention output and feed-forward."""
 
 
 class EncoderStackAttention(nn.Module):
@@ -299,9 +307,8 @@ class EncoderStackAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
-        self.value = nn.Linear(config.hidden_size, config.hidden_size)
-        self.output = nn.Linear(config.hidden_size, config.hidden_size)
-        self.value.init_gain = self.output.init_gain = deepnorm_beta(config)
+        self.value = BranchProjection(config.hidden_size, config.hidden_size)
+        self.output = BranchProjection(config.hidden_size, config.hidden_size)
         self.attention_dropout = config.attention_probs_dropout_prob
 
     def forward(self, hidden_states, attention_mask, rotary=None, **kwargs):
@@ -313,10 +320,17 @@ class EncoderStackAttention(nn.Module):
         if kwargs.get("cu_seq_lens_q") is not None:
             attention = packed_attention(self.config, query.device, query.dtype, self.training)
         else:
-            attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                              eager_attention_forward)
-        context, weights = attention(self, query, key, value, attention_mask, scaling=self.scaling,
-                                     dropout=self.attention_dropout if self.training else 0.0, **kwargs)
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        context, weights = attention(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=self.scaling,
+            dropout=self.attention_dropout if self.training else 0.0,
+            **kwargs,
+        )
         return self.output(context.reshape(*hidden_states.shape[:-1], -1)), weights
 
 
@@ -327,9 +341,8 @@ class EncoderStackMLP(nn.Module):
         super().__init__()
         self.gated = config.hidden_act in GATED_ACTIVATIONS
         self.act = ACT2FN[GATED_ACTIVATIONS.get(config.hidden_act, config.hidden_act)]
-        self.up = nn.Linear(config.hidden_size, config.intermediate_size * (2 if self.gated else 1))
-        self.down = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.up.init_gain = self.down.init_gain = deepnorm_beta(config)
+        self.up = BranchProjection(config.hidden_size, config.intermediate_size * (2 if self.gated else 1))
+        self.down = BranchProjection(config.intermediate_size, config.hidden_size)
 
     def forward(self, hidden_states):
         if self.gated:
@@ -338,31 +351,36 @@ class EncoderStackMLP(nn.Module):
         return self.down(self.act(self.up(hidden_states)))
 
 
+def unscaled(num_layers: int) -> float:
+    return 1.0
+
+
 @dataclass(frozen=True)
 class Placement:
-    """Which norms a placement uses around each sublayer F (see the README for the equations)."""
+    """One normalization placement, the whole of it: the norms around each sublayer F, the residual scale and the init
+    gain as functions of the depth N, and ResiDual's second stream. The README gives the equations."""
 
-    norm_in: bool  # F(LN(h))
-    norm_branch: bool  # LN(F(.)) before the residual add
-    norm_out: bool  # LN(h + F(.))
-    final_norm: bool  # one more norm after the last layer
+    norm_in: bool = False  # F(LN(h))
+    norm_branch: bool = False  # LN(F(.)) before the residual add
+    norm_out: bool = False  # LN(h + F(.))
+    final_norm: bool = False  # one more norm after the last layer
     dual_stream: bool = False  # ResiDual: also accumulate the un-normalized sum of every F
+    alpha: Callable[[int], float] = unscaled  # h -> LN(alpha(N) h + F(.))
+    init_gain: Callable[[int], float] = unscaled  # on the init std of every `BranchProjection`
 
 
 PLACEMENTS = {
-    "post": Placement(norm_in=False, norm_branch=False, norm_out=True, final_norm=False),
-    "pre": Placement(norm_in=True, norm_branch=False, norm_out=False, final_norm=True),
-    "sandwich": Placement(norm_in=True, norm_branch=True, norm_out=False, final_norm=True),
-    "deepnorm": Placement(norm_in=False, norm_branch=False, norm_out=True, final_norm=False),
-    "resi_dual": Placement(norm_in=False, norm_branch=False, norm_out=True, final_norm=True, dual_stream=True),
+    "post": Placement(norm_out=True),
+    "pre": Placement(norm_in=True, final_norm=True),
+    "sandwich": Placement(norm_in=True, norm_branch=True, final_norm=True),
+    "deepnorm": Placement(norm_out=True, alpha=lambda n: (2 * n) ** 0.25, init_gain=lambda n: (8 * n) ** -0.25),
+    "resi_dual": Placement(norm_out=True, final_norm=True, dual_stream=True),
 }
 
 
 class Residual(nn.Module):
-    """The residual connection and norms around one sublayer: the only code that knows the placements.
-
-    `stream` is the hidden state the sublayers read; `dual` is ResiDual's un-normalized stream (None otherwise).
-    """
+    """One sublayer wrapped in its residual connection and norms, as the placement says: the only code that applies
+    a placement."""
 
     def __init__(self, config: EncoderStackConfig):
         super().__init__()
@@ -371,18 +389,22 @@ class Residual(nn.Module):
         self.norm_branch = make_norm(config) if placement.norm_branch else nn.Identity()
         self.norm_out = make_norm(config) if placement.norm_out else nn.Identity()
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.alpha = deepnorm_alpha(config)
-        self.dual_scale = config.resi_dual_scale
+        self.alpha = placement.alpha(config.num_hidden_layers)
+        self.dual_scale = config.resi_dual_scale if placement.dual_stream else None
 
-    def forward(self, stream, dual, branch):
-        branch = self.dropout(self.norm_branch(branch))
-        if dual is not None:
-            dual = dual + self.dual_scale * branch
+    def forward(self, stream, dual, sublayer):
+        """`stream`: the hidden state the sublayers read; `dual`: ResiDual's un-normalized stream, which starts at the
+        first sublayer's input and adds up every F (None for the other placements)."""
+        branch = self.dropout(self.norm_branch(sublayer(self.norm_in(stream))))
+        if self.dual_scale is not None:
+            dual = (self.dual_scale * stream if dual is None else dual) + self.dual_scale * branch
         residual = stream if self.alpha == 1.0 else self.alpha * stream
         return self.norm_out(residual + branch), dual
 
 
 class EncoderStackLayer(GradientCheckpointingLayer):
+    """Self-attention, then the feed-forward network, each inside its `Residual`."""
+
     def __init__(self, config: EncoderStackConfig):
         super().__init__()
         self.attention = EncoderStackAttention(config)
@@ -391,10 +413,11 @@ class EncoderStackLayer(GradientCheckpointingLayer):
         self.mlp_residual = Residual(config)
 
     def forward(self, hidden_states, dual, attention_mask, rotary=None, **kwargs):
-        attended, _ = self.attention(self.attention_residual.norm_in(hidden_states), attention_mask, rotary, **kwargs)
-        hidden_states, dual = self.attention_residual(hidden_states, dual, attended)
-        transformed = self.mlp(self.mlp_residual.norm_in(hidden_states))
-        return self.mlp_residual(hidden_states, dual, transformed)
+        def attend(hidden_states):
+            return self.attention(hidden_states, attention_mask, rotary, **kwargs)[0]
+
+        hidden_states, dual = self.attention_residual(hidden_states, dual, attend)
+        return self.mlp_residual(hidden_states, dual, self.mlp)
 
 
 class EncoderStackFinal(nn.Module):
@@ -445,7 +468,7 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": EncoderStackLayer, "attentions": EncoderStackAttention}
 
-    # Installed by the `encoderstack` package so that `from_pretrained` also converts BERT checkpoints on the fly;
+    # Installed by `encoderstack.register()` so that `from_pretrained` also converts BERT checkpoints on the fly;
     # a remote-code copy of this file has none and loads EncoderStack checkpoints only.
     checkpoint_converter = None
 
@@ -459,7 +482,7 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
         self.config.auto_map = dict(AUTO_MAP)
         return super().save_pretrained(save_directory, *args, **kwargs)
 
-    # Installed by the `encoderstack` package so that `push_to_hub` checks what it sends and writes the package's
+    # Installed by `encoderstack.register()` so that `push_to_hub` checks what it sends and writes the package's
     # model card (transformers' own writes a generic template); a remote-code copy pushes the way transformers does.
     hub_publisher = None
 
@@ -469,10 +492,12 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
         return publisher(self, repo_id, **kwargs) if publisher else super().push_to_hub(repo_id, **kwargs)
 
     def _init_weights(self, module):
-        """BERT's init (normal(0, initializer_range), zero biases, unit norms), plus DeepNet's beta gain."""
+        """BERT's init (normal(0, initializer_range), zero biases, unit norms), then the placement's init gain."""
         super()._init_weights(module)
-        if getattr(module, "init_gain", 1.0) != 1.0:
-            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range * module.init_gain)
+        if isinstance(module, BranchProjection):
+            gain = PLACEMENTS[self.config.norm_placement].init_gain(self.config.num_hidden_layers)
+            if gain != 1.0:
+                init.normal_(module.weight, mean=0.0, std=self.config.initializer_range * gain)
         elif isinstance(module, EncoderStackRotaryEmbedding):
             init.copy_(module.inv_freq, module.compute_inv_freq())
 
@@ -504,26 +529,22 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         padding_free: bool | None = None,
-        packing: PackedSequences | None = None,
-        **kwargs,
+        **kwargs: Unpack[EncoderStackKwargs],
     ) -> BaseModelOutputWithPooling:
         """`padding_free` overrides `config.padding_free` for this call, and flattened rows (`position_ids` that
-        restart, or `cu_seq_lens_q/k`) never attend across sequences (see `packing_for`). `packing` is passed by the
-        heads, which run their own token-level work on the same packed tokens. With flattened rows, `pooler_output`
-        has one row per sequence."""
-        self._check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
-        batch_size, seq_length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
-        device = input_ids.device if input_ids is not None else inputs_embeds.device
-        if packing is None:
-            packing = self.packing_for(attention_mask, position_ids, padding_free, (batch_size, seq_length), device,
-                                       kwargs)
+        restart, or `cu_seq_lens_q/k`) never attend across sequences (see `packing_for`). With flattened rows,
+        `pooler_output` has one row per sequence."""
+        inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        # A task head passes the packing it decided on: it runs its token-level work on the same tokens.
+        packing = kwargs.pop("packing") if "packing" in kwargs else self.packing_for(*inputs, padding_free, kwargs)
         for name in VARLEN_KWARGS:  # the packing describes the sequences from here on
             kwargs.pop(name, None)
+        batch_size, seq_length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
+        device = input_ids.device if input_ids is not None else inputs_embeds.device
+        flattened, varlen = (packing is not None and packing.flattened), (packing is not None and packing.varlen)
         if position_ids is None:
-            position_ids = packing.position_ids() if packing is not None and packing.flattened else \
-                torch.arange(seq_length, device=device)
+            position_ids = packing.position_ids() if flattened else torch.arange(seq_length, device=device)
         position_ids = position_ids.expand(batch_size, seq_length)
-        varlen = packing is not None and packing.varlen
         if varlen:  # gather the real tokens into one row once, before the embeddings
             input_ids, token_type_ids, position_ids, inputs_embeds = (
                 None if x is None else packing.pack(x) for x in (input_ids, token_type_ids, position_ids, inputs_embeds)
@@ -535,10 +556,9 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
             kwargs.update(packing.attention_kwargs())
         else:
             sequences = packed_sequence_mask_function(packing.sequence_ids()) if packing is not None else None
-            mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
-                                             attention_mask=attention_mask, and_mask_function=sequences)
+            mask = create_bidirectional_mask(self.config, hidden_states, attention_mask, and_mask_function=sequences)
         rotary = self.rotary(position_ids, hidden_states.dtype) if self.rotary is not None else None
-        dual = hidden_states * self.config.resi_dual_scale if PLACEMENTS[self.config.norm_placement].dual_stream else None
+        dual = None
         for layer in self.layers:
             hidden_states, dual = layer(hidden_states, dual, mask, rotary, **kwargs)
         hidden_states = self.final(hidden_states, dual)
@@ -546,14 +566,15 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
             hidden_states = packing.unpack(hidden_states)
         pooled = None
         if self.pooler is not None:
-            flattened = packing is not None and packing.flattened
             first_tokens = packing.first_tokens(packing.pack(hidden_states)) if flattened else hidden_states[:, 0]
             pooled = self.pooler(first_tokens)
         return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooled)
 
-    def packing_for(self, attention_mask, position_ids, padding_free, shape, device, kwargs) -> PackedSequences | None:
-        """How this forward's tokens form sequences, when that is not simply "one per row, padding masked": None
-        runs the batch as BERT does.
+    def packing_for(
+        self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, padding_free, kwargs
+    ) -> PackedSequences | None:
+        """Checks the inputs, then decides how this forward's tokens form sequences, when that is not simply "one per
+        row, padding masked": None runs the batch as BERT does.
 
         Flattened rows (`position_ids` that restart inside a row, or `cu_seq_lens_q/k`: what
         `DataCollatorWithFlattening` gives) always get a packing, so that no sequence attends to its neighbours: one
@@ -562,36 +583,39 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         device has a packed attention that pays, and no hidden states or attention maps are recorded (the hooks record
         the padded layout, so those come out as in BERT).
         """
+        self._check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:2])
+        device = input_ids.device if input_ids is not None else inputs_embeds.device
         if padding_free is None:
             padding_free = self.config.padding_free
         if not isinstance(padding_free, bool):
             raise ValueError(f"`padding_free` must be True, False or None, got {padding_free!r}.")
-        recorded = any(kwargs.get(f"output_{name}", getattr(self.config, f"output_{name}", False))
-                       for name in ("hidden_states", "attentions"))
+        recorded = any(
+            kwargs.get(f"output_{name}", getattr(self.config, f"output_{name}", False))
+            for name in ("hidden_states", "attentions")
+        )
         # Packed shapes change with every batch (a recompile each), so torch.compile stays on the padded path.
-        runs_packed = (padding_free and not recorded and not torch.compiler.is_compiling()
-                       and self.packed_attention_pays(device))
+        runs_packed = (
+            padding_free and not recorded and not torch.compiler.is_compiling() and self.packed_attention_pays(device)
+        )
         real = attention_mask.bool() if attention_mask is not None and attention_mask.dim() == 2 else None
-        packing = flattened_rows(position_ids, real, shape, device, kwargs)
-        if packing is not None:
-            packing.varlen = runs_packed or is_flash_attention_requested(self.config)  # flash has no block mask
+        varlen = runs_packed or is_flash_attention_requested(self.config)  # flash has no block-diagonal mask
+        packing = flattened_rows(position_ids, real, shape, device, kwargs, varlen)
+        if packing is not None or not runs_packed or real is None:
             return packing
-        if not runs_packed or real is None:
-            return None
         lengths = real.sum(-1).tolist()  # the one host sync of the decision
         if not any(lengths) or min(lengths) == shape[1]:  # nothing to gain
             return None
-        packing = PackedSequences.from_attention_mask(real, lengths)
-        packing.varlen = True
-        return packing
+        return PackedSequences.from_attention_mask(real, lengths)
 
     def packed_attention_pays(self, device: torch.device) -> bool:
         """On CPU, attention one sequence at a time measured fastest; elsewhere packing pays only with a one-call
         varlen kernel, and the padded batch is faster without one."""
         if device.type == "cpu" or varlen_attention(self.config, device, self.dtype, self.training) is not None:
             return True
-        logger.debug("No varlen attention for %s on %s in %s: running the padded batch.",
-                     self.config._attn_implementation, device, self.dtype)
+        logger.debug(
+            f"No varlen {self.config._attn_implementation} on {device} in {self.dtype}: running the padded batch."
+        )
         return False
 
     def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds):
@@ -599,31 +623,47 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
         hidden = self.config.hidden_size
-        if inputs_embeds is not None and (not inputs_embeds.is_floating_point()
-                                          or inputs_embeds.shape[-1:] != (hidden,)):
-            raise ValueError(f"`inputs_embeds` must be floating point of shape (batch, sequence, {hidden}), got "
-                             f"{tuple(inputs_embeds.shape)} of {inputs_embeds.dtype}.")
+        if inputs_embeds is not None and (
+            not inputs_embeds.is_floating_point() or inputs_embeds.shape[-1:] != (hidden,)
+        ):
+            raise ValueError(
+                f"`inputs_embeds` must be floating point of shape (batch, sequence, {hidden}), got "
+                f"{tuple(inputs_embeds.shape)} of {inputs_embeds.dtype}."
+            )
         shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1])
         if len(shape) != 2 or 0 in shape:
             raise ValueError(f"Expected inputs of shape (batch, sequence), neither of them 0, got {shape}.")
         for name, ids in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("position_ids", position_ids)):
             if ids is not None and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
                 raise TypeError(f"`{name}` must hold integer ids, got {ids.dtype}.")
-        for name, value in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
-                            ("position_ids", position_ids)):
+        for name, value in (
+            ("attention_mask", attention_mask),
+            ("token_type_ids", token_type_ids),
+            ("position_ids", position_ids),
+        ):
             if value is None:
                 continue
             if name == "attention_mask" and value.dim() == 4:  # a prepared mask, passed on as transformers does
                 fits = value.shape[0] in (1, shape[0]) and tuple(value.shape[2:]) == (shape[1], shape[1])
             else:
-                fits = tuple(value.shape) == shape or (name != "attention_mask" and value.shape[-1:] == shape[1:]
-                                                       and value.dim() <= 2 and value.numel() == shape[1])
+                fits = tuple(value.shape) == shape or (
+                    name != "attention_mask"
+                    and value.shape[-1:] == shape[1:]
+                    and value.dim() <= 2
+                    and value.numel() == shape[1]
+                )
             if not fits:
                 raise ValueError(f"`{name}` has shape {tuple(value.shape)}, but the inputs have shape {shape}.")
-        if (attention_mask is not None and attention_mask.dim() == 2 and not torch.compiler.is_compiling()
-                and not ((attention_mask == 0) | (attention_mask == 1)).all()):
-            raise ValueError(f"`attention_mask` must hold 1 for real tokens and 0 for padding, got values "
-                             f"{sorted(set(attention_mask.unique().tolist()))}.")
+        if (
+            attention_mask is not None
+            and attention_mask.dim() == 2
+            and not torch.compiler.is_compiling()
+            and not ((attention_mask == 0) | (attention_mask == 1)).all()
+        ):
+            raise ValueError(
+                f"`attention_mask` must hold 1 for real tokens and 0 for padding, got values "
+                f"{sorted(set(attention_mask.unique().tolist()))}."
+            )
         limit = self.config.max_position_embeddings
         if self.config.position_embedding_type == "absolute" and position_ids is None and shape[1] > limit:
             raise ValueError(
@@ -631,8 +671,10 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
             )
         if torch.compiler.is_compiling():
             return
-        ranges = [("input_ids", input_ids, self.config.vocab_size), ("token_type_ids", token_type_ids,
-                  self.config.type_vocab_size)]
+        ranges = [
+            ("input_ids", input_ids, self.config.vocab_size),
+            ("token_type_ids", token_type_ids, self.config.type_vocab_size),
+        ]
         if self.config.position_embedding_type == "absolute":
             ranges.append(("position_ids", position_ids, limit))
         for name, ids, size in ranges:
@@ -668,10 +710,13 @@ def cross_entropy(logits, labels, num_items_in_batch=None, ignore_index=-100):
     classes = logits.shape[-1]
     counted = labels[labels != ignore_index]
     if not torch.compiler.is_compiling() and counted.numel() and (counted.min() < 0 or counted.max() >= classes):
-        raise ValueError(f"Class labels must lie in [0, {classes - 1}] (or be {ignore_index}, ignored), got values "
-                         f"from {counted.min().item()} to {counted.max().item()}.")
-    loss = nn.functional.cross_entropy(logits.float().reshape(labels.numel(), -1), labels, reduction="none",
-                                       ignore_index=ignore_index)
+        raise ValueError(
+            f"Class labels must lie in [0, {classes - 1}] (or be {ignore_index}, ignored), got values "
+            f"from {counted.min().item()} to {counted.max().item()}."
+        )
+    loss = nn.functional.cross_entropy(
+        logits.float().reshape(labels.numel(), -1), labels, reduction="none", ignore_index=ignore_index
+    )
     if num_items_in_batch is None:
         return loss.sum() / (labels != ignore_index).sum()
     return loss.sum() / num_items_in_batch
@@ -720,6 +765,11 @@ class Encoded:
         loss = cross_entropy(logits, labels, num_items_in_batch) if labels is not None else None
         return (self.packing.unpack(logits) if gathered else logits), loss
 
+    @property
+    def recorded(self) -> dict:
+        """The hidden states and attention maps the caller asked for, as every output class names them."""
+        return {"hidden_states": self.outputs.hidden_states, "attentions": self.outputs.attentions}
+
     def by_sequence(self, tokens: torch.Tensor, fill) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token values as one row per sequence, and where its real tokens are: the rows themselves, unless the
         rows are flattened sequences."""
@@ -730,7 +780,8 @@ class Encoded:
 
 
 class EncoderStackHead(EncoderStackPreTrainedModel):
-    """Shared plumbing of the task heads: the encoder (pooled or not) and the forward arguments they all take."""
+    """What the task heads share: the encoder (pooled or not), and the forward of those that take `labels`, which
+    leaves the task to `predict`."""
 
     uses_pooler = False
 
@@ -738,27 +789,30 @@ class EncoderStackHead(EncoderStackPreTrainedModel):
         super().__init__(config)
         self.model = EncoderStackModel(config, add_pooling_layer=self.uses_pooler)
 
-    def encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, padding_free=None,
-               **kwargs) -> Encoded:
+    def encode(
+        self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, padding_free=None, **kwargs
+    ) -> Encoded:
         """The encoder's outputs, and the packing it ran on for the token-level heads (decided once, here)."""
         kwargs.pop("num_items_in_batch", None)
-        self.model._check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
-        shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:2])
-        device = input_ids.device if input_ids is not None else inputs_embeds.device
-        packing = self.model.packing_for(attention_mask, position_ids, padding_free, shape, device, kwargs)
-        outputs = self.model(
-            input_ids,
-            attention_mask=attention_mask,
-            token_type_ids=token_type_ids,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            padding_free=packing is not None,
-            packing=packing,
-            return_dict=True,
-            **kwargs,
-        )
+        inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        packing = self.model.packing_for(*inputs, padding_free, kwargs)
+        outputs = self.model(*inputs, packing=packing, return_dict=True, **kwargs)
         real = attention_mask.bool() if attention_mask is not None and attention_mask.dim() == 2 else None
         return Encoded(outputs, packing, real)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs: Unpack[EncoderStackKwargs],
+    ) -> ModelOutput:
+        encoded = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
+        return self.predict(encoded, labels, kwargs.get("num_items_in_batch"))
 
 
 class EncoderStackClassifierHead(EncoderStackHead):
@@ -772,11 +826,6 @@ class EncoderStackClassifierHead(EncoderStackHead):
         self.dropout = nn.Dropout(dropout)
         self.classifier = nn.Linear(config.hidden_size, self.num_outputs or config.num_labels)
         self.post_init()
-
-    def classify(self, *inputs, **kwargs):
-        """The logits of the pooled first token of each sequence (the sequence-level heads)."""
-        encoded = self.encode(*inputs, **kwargs)
-        return self.logits(encoded.outputs.pooler_output), encoded
 
     def logits(self, features):
         return self.classifier(self.dropout(features))
@@ -798,14 +847,9 @@ class EncoderStackForMaskedLM(EncoderStackHead):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head.decoder = new_embeddings
 
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, **kwargs) -> MaskedLMOutput:
-        num_items = kwargs.get("num_items_in_batch")
-        encoded = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
+    def predict(self, encoded: Encoded, labels, num_items) -> MaskedLMOutput:
         logits, loss = encoded.per_token(self.lm_head, labels, num_items)
-        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=encoded.outputs.hidden_states,
-                              attentions=encoded.outputs.attentions)
+        return MaskedLMOutput(loss=loss, logits=logits, **encoded.recorded)
 
 
 class EncoderStackForPreTraining(EncoderStackHead):
@@ -832,8 +876,17 @@ class EncoderStackForPreTraining(EncoderStackHead):
         self.lm_head.decoder = new_embeddings
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, next_sentence_label=None, **kwargs) -> EncoderStackForPreTrainingOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        next_sentence_label: torch.Tensor | None = None,
+        **kwargs: Unpack[EncoderStackKwargs],
+    ) -> EncoderStackForPreTrainingOutput:
         encoded = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
         mlm_labels = labels if next_sentence_label is not None else None
         prediction_logits, loss = encoded.per_token(self.lm_head, mlm_labels)
@@ -845,8 +898,7 @@ class EncoderStackForPreTraining(EncoderStackHead):
             loss=loss,
             prediction_logits=prediction_logits,
             seq_relationship_logits=seq_relationship_logits,
-            hidden_states=encoded.outputs.hidden_states,
-            attentions=encoded.outputs.attentions,
+            **encoded.recorded,
         )
 
 
@@ -855,15 +907,10 @@ class EncoderStackForSequenceClassification(EncoderStackClassifierHead):
 
     uses_pooler = True
 
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, **kwargs) -> SequenceClassifierOutput:
-        num_items = kwargs.get("num_items_in_batch")
-        logits, encoded = self.classify(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                                        **kwargs)
+    def predict(self, encoded: Encoded, labels, num_items) -> SequenceClassifierOutput:
+        logits = self.logits(encoded.outputs.pooler_output)
         loss = self.sequence_loss(logits, labels, num_items) if labels is not None else None
-        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=encoded.outputs.hidden_states,
-                                        attentions=encoded.outputs.attentions)
+        return SequenceClassifierOutput(loss=loss, logits=logits, **encoded.recorded)
 
     def sequence_loss(self, logits, labels, num_items):
         if self.config.problem_type is None:
@@ -889,14 +936,9 @@ class EncoderStackForSequenceClassification(EncoderStackClassifierHead):
 class EncoderStackForTokenClassification(EncoderStackClassifierHead):
     """One label per token; labels at padded positions count for nothing."""
 
-    @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, **kwargs) -> TokenClassifierOutput:
-        num_items = kwargs.get("num_items_in_batch")
-        encoded = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
+    def predict(self, encoded: Encoded, labels, num_items) -> TokenClassifierOutput:
         logits, loss = encoded.per_token(self.logits, labels, num_items)
-        return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=encoded.outputs.hidden_states,
-                                     attentions=encoded.outputs.attentions)
+        return TokenClassifierOutput(loss=loss, logits=logits, **encoded.recorded)
 
 
 class EncoderStackForQuestionAnswering(EncoderStackClassifierHead):
@@ -907,8 +949,17 @@ class EncoderStackForQuestionAnswering(EncoderStackClassifierHead):
     num_outputs = 2
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, start_positions=None, end_positions=None, **kwargs) -> QuestionAnsweringModelOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        start_positions: torch.Tensor | None = None,
+        end_positions: torch.Tensor | None = None,
+        **kwargs: Unpack[EncoderStackKwargs],
+    ) -> QuestionAnsweringModelOutput:
         encoded = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
         logits, _ = encoded.per_token(self.logits)
         if encoded.real is not None:
@@ -920,9 +971,9 @@ class EncoderStackForQuestionAnswering(EncoderStackClassifierHead):
             starts, real = encoded.by_sequence(start_logits, minimum)
             ends, _ = encoded.by_sequence(end_logits, minimum)
             loss = (span_loss(starts, real, start_positions) + span_loss(ends, real, end_positions)) / 2
-        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
-                                            hidden_states=encoded.outputs.hidden_states,
-                                            attentions=encoded.outputs.attentions)
+        return QuestionAnsweringModelOutput(
+            loss=loss, start_logits=start_logits, end_logits=end_logits, **encoded.recorded
+        )
 
 
 class EncoderStackForMultipleChoice(EncoderStackClassifierHead):
@@ -932,26 +983,39 @@ class EncoderStackForMultipleChoice(EncoderStackClassifierHead):
     num_outputs = 1
 
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, **kwargs) -> MultipleChoiceModelOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs: Unpack[EncoderStackKwargs],
+    ) -> MultipleChoiceModelOutput:
         num_items = kwargs.get("num_items_in_batch")
         choices = input_ids if input_ids is not None else inputs_embeds
         if choices is None or choices.dim() < 3:
-            raise ValueError("Multiple choice takes inputs of shape (batch, num_choices, sequence), got "
-                             f"{None if choices is None else tuple(choices.shape)}.")
+            raise ValueError(
+                "Multiple choice takes inputs of shape (batch, num_choices, sequence), got "
+                f"{None if choices is None else tuple(choices.shape)}."
+            )
         batch_size, num_choices = choices.shape[:2]
-        flat = [None if x is None else x.flatten(0, 1) for x in
-                (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)]
-        logits, encoded = self.classify(*flat, **kwargs)
+        flat = [
+            None if x is None else x.flatten(0, 1)
+            for x in (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        ]
+        encoded = self.encode(*flat, **kwargs)
         if encoded.packing is not None and encoded.packing.flattened:
-            raise ValueError("Multiple choice scores whole rows: flattened sequences (`position_ids` that restart, or "
-                             "`cu_seq_lens_q`) are not supported; pass padded (batch, num_choices, sequence) inputs.")
-        logits = logits.view(-1, num_choices)
+            raise ValueError(
+                "Multiple choice scores whole rows: flattened sequences (`position_ids` that restart, or "
+                "`cu_seq_lens_q`) are not supported; pass padded (batch, num_choices, sequence) inputs."
+            )
+        logits = self.logits(encoded.outputs.pooler_output).view(-1, num_choices)
         if labels is not None:
             check_shape("labels", labels, (batch_size,), "the questions")
         loss = cross_entropy(logits, labels, num_items) if labels is not None else None
-        return MultipleChoiceModelOutput(loss=loss, logits=logits, hidden_states=encoded.outputs.hidden_states,
-                                         attentions=encoded.outputs.attentions)
+        return MultipleChoiceModelOutput(loss=loss, logits=logits, **encoded.recorded)
 
 
 # Written into every saved config.json, so that each Auto class loads the checkpoint with `trust_remote_code=True`

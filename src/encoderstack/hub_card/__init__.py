@@ -13,7 +13,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.repocard import metadata_load
 
 from .. import modeling_encoderstack
-from ..configuration_encoderstack import EncoderStackConfig
+from ..configuration_encoderstack import PLACEMENT_EQUATIONS, EncoderStackConfig
 from ..jsonfile import read_json_object
 from ..modeling_encoderstack import AUTO_MAP
 
@@ -31,13 +31,6 @@ HEADS = {
 AUTO_CLASSES = {reference.split(".")[-1]: auto_name for auto_name, reference in AUTO_MAP.items()}
 PLACEMENT_TAGS = {"post": "post-ln", "pre": "pre-ln", "sandwich": "sandwich-ln", "deepnorm": "deepnorm",
                   "resi_dual": "resi-dual"}
-PLACEMENT_EQUATIONS = {
-    "post": "`h = LN(h + Drop(F(h)))`, as BERT",
-    "pre": "`h = h + Drop(F(LN(h)))`, then a final `LN`",
-    "sandwich": "`h = h + Drop(LN_out(F(LN_in(h))))`, then a final `LN`",
-    "deepnorm": "`h = LN(α·h + Drop(F(h)))` with `α = (2N)^(1/4)`",
-    "resi_dual": "`f = Drop(F(a)); a = LN(a + f); d = d + f`, output `a + LN_final(d)`",
-}
 # Facts about the weights, not about this particular folder: they hold for the converted model as for its source.
 CARRIED_METADATA = ("license", "license_name", "license_link", "language", "datasets", "metrics")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
