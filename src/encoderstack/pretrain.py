@@ -391,9 +391,9 @@ def pretrain(model=None, config=None, tokenizer=None, train=None, eval=None, out
                 "eval_steps": eval_steps}
     checkpoint = resume_point(scratch, resume, force, settings)
     with tempfile.TemporaryDirectory(prefix=f".{destination.path.name}.data-", dir=destination.path.parent) as cache:
-        tokenizer, train_set, eval_set, data = prepare_text(train_files, eval_files, train, Path(cache), model, tokenizer,
-                                                            train_tokenizer, folder_config, max_length, mlm_probability,
-                                                            whole_word_mask, seed, num_proc)
+        tokenizer, train_set, eval_set, data = prepare_text(
+            train_files, eval_files, train, Path(cache), model, tokenizer, train_tokenizer, folder_config, max_length,
+            mlm_probability, whole_word_mask, seed, num_proc)
         record = {"base_model": str(model) if model is not None else None, "data": data, "settings": settings}
         return train_and_save(model, config, tokenizer, train_set, eval_set, destination, scratch, checkpoint,
                               record, training_args)
@@ -434,7 +434,8 @@ def prepare_text(train_files: dict, eval_files: dict, train, cache: Path, model,
                                     new_fingerprint=f"{name}-chunks", desc=f"Tokenizing the {name} text")
                            for name, docs in (("train", train_docs), ("eval", eval_docs)))
     data = {"train": data_record(train_files, train_set),
-            "eval": data_record(eval_files, eval_set) if eval_files else f"{len(eval_docs)} held-out training documents",
+            "eval": data_record(eval_files, eval_set) if eval_files else
+            f"{len(eval_docs)} held-out training documents",
             "train_sequences": len(train_set), "train_tokens": sum(train_set["length"]),
             "eval_sequences": len(eval_set), "eval_tokens": sum(eval_set["length"])}
     eval_set = eval_set.map(MaskedFlattening(tokenizer, mlm_probability, whole_word_mask, EVAL_MASK_SEED).mask,

@@ -74,7 +74,7 @@ def padded_batch(rows: dict, pad_token_id: int) -> dict:
 
 
 def pretrain_settings(steps: int, lr: float, warmup_steps: int, seed: int) -> dict:
-    """pretrain's settings for a comparison run: constant learning rate after a linear warm-up, as the synthetic runs."""
+    """pretrain's settings for a comparison run: a constant learning rate after a linear warm-up, as synthetic runs."""
     return {"mlm_probability": MLM_PROBABILITY, "whole_word_mask": False, "max_length": MAX_LENGTH,
             "max_steps": steps, "epochs": None, "batch_size": BATCH_SIZE, "learning_rate": lr,
             "warmup_steps": warmup_steps, "warmup_ratio": None, "scheduler": "constant", "seed": seed,

@@ -15,9 +15,9 @@ import torch
 
 from ..configuration_encoderstack import NORM_PLACEMENTS
 from ..output_folder import OutputFolder
+from .corpus import CorpusText, corpus_text, describe, initial_model, text_trainer
 from .measure import activation_rms_per_layer, consecutive_layer_similarity, gradient_norms_per_layer
 from .plots import require_matplotlib, write_figures
-from .corpus import CorpusText, corpus_text, describe, initial_model, text_trainer
 from .synthetic import (
     HALF_LENGTH,
     MASK_FRACTION,
@@ -57,10 +57,11 @@ class ReportSettings:
 
     @property
     def command(self) -> str:
+        warmup = "" if self.warmup is None else f" --warmup-steps {self.warmup}"
+        corpus = "" if self.corpus is None else f" --corpus {self.corpus}"
         return (f"encoderstack diagnose --layers {','.join(map(str, self.layers))} "
                 f"--placements {','.join(self.placements)} --steps {self.steps} --hidden-size {self.hidden_size} "
-                f"--lr {self.lr:g} --seed {self.seed}" + (f" --warmup-steps {self.warmup}" if self.warmup is not None
-                                                          else "") + (f" --corpus {self.corpus}" if self.corpus else ""))
+                f"--lr {self.lr:g} --seed {self.seed}{warmup}{corpus}")
 
 
 QUICK = ReportSettings(layers=(2, 6), steps=40, hidden_size=32)
@@ -191,9 +192,15 @@ predictable from its neighbours and, unless its partner is masked too, exactly f
 The measurements use one fixed batch of {MEASUREMENT_BATCH_SIZE} sequences."""
 
 
+TOKENIZER_TIES = (", except that `tokenizers` breaks ties between equally frequent WordPiece merges in hash order: "
+                  "another run can learn a slightly different vocabulary, hence slightly different numbers. Within "
+                  "one report every run reads the same tokens.")
+
+
 def training_text(settings: ReportSettings, text: CorpusText | None) -> str:
     if text is None:
-        how = f"AdamW (lr {settings.lr:g}, weight decay 0.01, no gradient clipping) on batches of {TRAINING_BATCH_SIZE} sequences"
+        how = (f"AdamW (lr {settings.lr:g}, weight decay 0.01, no gradient clipping) on batches of "
+               f"{TRAINING_BATCH_SIZE} sequences")
     else:
         how = (f"`encoderstack pretrain`'s Trainer settings (AdamW, lr {settings.lr:g}, weight decay 0.01, seed "
                f"{settings.seed}, scheduler `constant`) but no gradient clipping and no checkpoints; the evaluation "
@@ -222,7 +229,7 @@ def render_index(results: list[dict], settings: ReportSettings, text: CorpusText
 
 Written by `{settings.command}`.
 Everything is seeded: the same command gives the same numbers (all of them are in `results.json`) with the same
-torch build.{budget}
+torch build{TOKENIZER_TIES if evaluated else "."}{budget}
 
 **Models**: `EncoderStackForMaskedLM` with hidden size {settings.hidden_size}, 4 heads, FFN {4 * settings.hidden_size},
 rotary positions, BERT's initialization (DeepNorm: with its beta gain and alpha residual scale), and
