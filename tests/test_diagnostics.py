@@ -1,7 +1,8 @@
 """The placement diagnostics: each measurement against a hand computation, the synthetic task, divergence detection,
-and the `diagnose` command's report folder."""
+the `diagnose` command's report folder, and its real-text route (`--corpus`) through the pre-training data path."""
 
 import argparse
+import hashlib
 import json
 import math
 import re
@@ -9,10 +10,12 @@ import sys
 
 import pytest
 import torch
+import transformers
 from conftest import PLACEMENTS, build, real
 from transformers import BertConfig, BertForMaskedLM
 
 import encoderstack
+from encoderstack import pretrain as pretrain_module
 from encoderstack.diagnostics import (
     ReportSettings,
     SyntheticMLMTask,
@@ -26,9 +29,11 @@ from encoderstack.diagnostics import (
     run_report,
     train_synthetic_mlm,
 )
+from encoderstack.diagnostics import corpus as corpus_route
 from encoderstack.diagnostics.plots import FIGURES
 from encoderstack.diagnostics.report import single_threaded
-from encoderstack.diagnostics.synthetic import HALF_LENGTH, MASK, NUM_SPECIAL, build_masked_lm
+from encoderstack.diagnostics.synthetic import HALF_LENGTH, MASK, NUM_SPECIAL, build_masked_lm, diagnostic_fields
+from encoderstack.pretrain import pretrain, stdlib_corpus
 
 
 @pytest.fixture(autouse=True)
@@ -62,6 +67,21 @@ def diagnose(*argv) -> int:
 
 
 TINY_REPORT = ("--layers", "1,2", "--steps", "3", "--hidden-size", "16")
+TINY_CORPUS_REPORT = ("--layers", "1,2", "--placements", "post,deepnorm", "--steps", "3", "--hidden-size", "16",
+                      "--seed", "5")
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    """Real text: the start of the stdlib corpus that `pretrain` ships (about 60 training sequences)."""
+    return stdlib_corpus(tmp_path_factory.mktemp("text") / "stdlib.txt", max_bytes=12_000)
+
+
+@pytest.fixture(scope="module")
+def corpus_report(text, tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus") / "report"
+    assert diagnose(*TINY_CORPUS_REPORT, "--warmup-steps", "2", "--corpus", str(text), "--out", str(out)) == 0
+    return out
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -246,7 +266,7 @@ def test_without_matplotlib_the_report_fails_with_how_to_install_it(tmp_path, mo
 
 
 @pytest.mark.parametrize("argv", [("--placements", "post,middle"), ("--layers", "6,0"), ("--steps", "-1"),
-                                  ("--hidden-size", "20")])
+                                  ("--hidden-size", "20"), ("--warmup-steps", "-1")])
 def test_the_command_refuses_bad_options(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         diagnose(*argv)
@@ -269,3 +289,110 @@ def test_the_command_refuses_a_learning_rate_that_is_not_a_positive_number_befor
 def test_report_settings_refuse_a_learning_rate_that_is_not_a_positive_number(lr):
     with pytest.raises(ValueError, match=f"lr must be a positive finite number, got {lr}"):
         ReportSettings(lr=lr)
+
+
+def test_the_corpus_route_writes_the_report_with_its_corpus_token_counts_steps_sizes_warmup_and_seed(corpus_report,
+                                                                                                    text):
+    record = json.loads((corpus_report / "results.json").read_text())
+    index = (corpus_report / "index.md").read_text()
+
+    data = record["data"]
+    assert data["corpus"] == data["train"][0]["file"] == str(text) and len(data["train"][0]["sha256"]) == 64
+    assert data["train_tokens"] > data["train_sequences"] > 0 and data["eval_masked_tokens"] > 0
+    assert record["settings"] | {"layers": [1, 2], "steps": 3, "hidden_size": 16, "warmup": 2, "seed": 5} == record[
+        "settings"]
+    assert record["wall_seconds"] > 0 and record["threads"] == 1
+    results = record["results"]
+    assert {(r["placement"], r["num_layers"]) for r in results} == {(p, n) for p in ("post", "deepnorm")
+                                                                     for n in (1, 2)}
+    for result in results:
+        assert [len(result["losses"][key]) for key in ("warmup", "no_warmup")] == [3, 3]
+        assert set(result["eval_loss"]) == {"init", "warmup", "no_warmup"}
+        assert all(math.isfinite(loss) for loss in result["eval_loss"].values())
+    assert (f"encoderstack diagnose --layers 1,2 --placements post,deepnorm --steps 3 --hidden-size 16 --lr 0.001 "
+            f"--seed 5 --warmup-steps 2 --corpus {text}") in index
+    for fact in (f"{data['train_sequences']} sequences, {data['train_tokens']} tokens", "hidden size 16",
+                 "over the first 2 steps", "minutes of wall clock on one thread", "| eval loss at init |"):
+        assert fact in index
+    assert sorted(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", index)) == sorted(FIGURES)
+    assert all((corpus_report / name).stat().st_size > 0 for name in FIGURES)
+    assert [path.name for path in corpus_report.parent.iterdir()] == ["report"]  # no data cache or partial folder
+
+
+def test_the_warmup_steps_reach_the_trainer_and_the_runs_without_warmup_start_at_the_full_rate(corpus_report):
+    results = json.loads((corpus_report / "results.json").read_text())["results"]
+
+    for result in results:  # both start from the same weights and batches: only the learning rate tells them apart
+        warmup, no_warmup = result["losses"]["warmup"], result["losses"]["no_warmup"]
+        assert warmup[0] == no_warmup[0]
+        assert warmup[1] == pytest.approx(warmup[0], abs=0.05)  # the first update's rate is 0 under warm-up
+        assert warmup[1:] != no_warmup[1:]
+
+
+def test_the_corpus_route_trains_on_the_very_sequences_pretrain_trains_on(text, tmp_path, monkeypatch):
+    seen = []
+    train = transformers.Trainer.train
+
+    def recording(trainer, *args, **kwargs):
+        seen.append((trainer.train_dataset.to_dict()["input_ids"], trainer.eval_dataset.to_dict()["input_ids"],
+                     trainer.eval_dataset.to_dict()["labels"]))
+        return train(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.Trainer, "train", recording)
+    # `tokenizers` breaks ties between equally frequent merges in hash order: one tokenizer per training text
+    tokenizers, train_wordpiece = {}, pretrain_module.train_wordpiece
+
+    def one_tokenizer_per_text(texts, vocab_size):
+        key = (tuple(texts), vocab_size)
+        if key not in tokenizers:
+            tokenizers[key] = train_wordpiece(key[0], vocab_size)
+        return tokenizers[key]
+
+    monkeypatch.setattr(pretrain_module, "train_wordpiece", one_tokenizer_per_text)
+    record = pretrain(config=diagnostic_fields("post", 1, 16), train_tokenizer=corpus_route.VOCAB_SIZE, train=text,
+                      output=tmp_path / "pretrained", max_length=corpus_route.MAX_LENGTH, max_steps=1, seed=3)
+    assert diagnose("--layers", "1", "--placements", "post", "--steps", "1", "--hidden-size", "16", "--seed", "3",
+                    "--corpus", str(text), "--out", str(tmp_path / "report")) == 0
+
+    pretrained, *diagnosed = seen
+    assert len(tokenizers) == 1 and len(diagnosed) == 2 and all(run == pretrained for run in diagnosed)
+    data = json.loads((tmp_path / "report" / "results.json").read_text())["data"]
+    assert data == {**record["data"], "corpus": str(text)}
+
+
+def test_corpus_stdlib_is_pretrains_stdlib_corpus_built_at_run_time(tmp_path, monkeypatch):
+    built = []
+
+    def small_stdlib_corpus(path):
+        built.append(path)
+        return stdlib_corpus(path, max_bytes=12_000)
+
+    monkeypatch.setattr(corpus_route, "stdlib_corpus", small_stdlib_corpus)
+    assert diagnose("--layers", "1", "--placements", "pre", "--steps", "1", "--hidden-size", "16", "--corpus", "stdlib",
+                    "--out", str(tmp_path / "report")) == 0
+
+    data = json.loads((tmp_path / "report" / "results.json").read_text())["data"]
+    assert len(built) == 1 and data["corpus"] == "stdlib"
+    same_text = stdlib_corpus(tmp_path / "again.txt", max_bytes=12_000).read_bytes()
+    assert data["train"][0]["sha256"] == hashlib.sha256(same_text).hexdigest()
+    assert "Python's standard-library docstrings" in (tmp_path / "report" / "index.md").read_text()
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("missing.txt", None, "missing.txt: no such file or folder"),
+    ("empty.txt", b"\n\n", "empty.txt: no text (the file is empty or blank)"),
+    ("notes.csv", b"a,b\n", "notes.csv: not a .txt or .jsonl file"),
+    ("bad.jsonl", b'{"text": "fine"}\n{"words": "no"}\n', "bad.jsonl: line 2: missing field 'text'"),
+])
+def test_a_bad_corpus_is_refused_with_one_line_and_exit_2_leaving_nothing(name, data, message, tmp_path, capsys):
+    corpus = tmp_path / "data" / name
+    corpus.parent.mkdir()
+    if data is not None:
+        corpus.write_bytes(data)
+
+    assert diagnose(*TINY_CORPUS_REPORT, "--corpus", str(corpus), "--out", str(tmp_path / "report")) == 2
+
+    lines = capsys.readouterr().err.splitlines()  # datasets' progress bars come first
+    assert lines[-1].startswith("encoderstack: error: ") and message in lines[-1]
+    assert sum("error" in line for line in lines) == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["data"]

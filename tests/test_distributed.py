@@ -1,6 +1,7 @@
 """Data-parallel fine-tuning on the engines users run (torchrun, accelerate launch; gloo on CPU) gives every rank
-the same weights, equal to one process on the same global batch."""
+the same weights, equal to one process on the same global batch; pre-training runs under torchrun too."""
 
+import json
 import os
 import socket
 import subprocess
@@ -100,3 +101,20 @@ def test_the_finetune_command_under_accelerate_launch_equals_one_process(tiny, t
     assert_same_weights(load_file(tmp_path / "two" / "model.safetensors"),
                         load_file(tmp_path / "one" / "model.safetensors"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
+
+
+def test_the_pretrain_command_under_torchrun_trains_on_two_ranks_and_writes_one_loadable_model(tiny, tmp_path):
+    from encoderstack.pretrain import stdlib_corpus
+
+    corpus = stdlib_corpus(tmp_path / "stdlib.txt", max_bytes=6_000)
+    config = "hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64,max_position_embeddings=64"
+    launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+            "encoderstack", "pretrain", "--config", config, "--tokenizer", str(tiny), "--train", str(corpus),
+            "--output", "two", "--max-length", "32", "--max-steps", "4", "--batch-size", "4", "--lr", "1e-3",
+            "--seed", "0"], tmp_path)
+    record = json.loads((tmp_path / "two" / "pretrain.json").read_text())
+    assert record["world_size"] == 2 and record["steps"] == 4
+    assert record["trained_tokens"] > 2 * 4 * 4  # both ranks' tokens: 4 steps of 2 x 4 sequences of a few tokens
+    assert record["eval_loss_after"] < record["eval_loss_before"]
+    assert transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "two").config.num_hidden_layers == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stdlib.txt", "two"]  # no caches or checkpoints left

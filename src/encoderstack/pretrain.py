@@ -391,32 +391,10 @@ def pretrain(model=None, config=None, tokenizer=None, train=None, eval=None, out
                 "eval_steps": eval_steps}
     checkpoint = resume_point(scratch, resume, force, settings)
     with tempfile.TemporaryDirectory(prefix=f".{destination.path.name}.data-", dir=destination.path.parent) as cache:
-        train_docs = load_documents(train_files, Path(cache) / "train")
-        if eval_files:
-            eval_docs = load_documents(eval_files, Path(cache) / "eval")
-        else:
-            split = held_out(train_docs, train, seed)
-            train_docs, eval_docs = split["train"], split["test"]
-        tokenizer = choose_tokenizer(model, tokenizer, train_tokenizer, folder_config, train_docs)
-        check_tokenizer(tokenizer, model or "tokenizer")
-        chunk = chunker(tokenizer, max_length, whole_word_mask)
-        train_set, eval_set = (docs.map(chunk, batched=True, remove_columns=docs.column_names, num_proc=num_proc,
-                                        new_fingerprint=f"{name}-chunks", desc=f"Tokenizing the {name} text")
-                               for name, docs in (("train", train_docs), ("eval", eval_docs)))
-        record = {
-            "base_model": str(model) if model is not None else None,
-            "data": {"train": data_record(train_files, train_set),
-                     "eval": data_record(eval_files, eval_set) if eval_files else
-                     f"{len(eval_docs)} held-out training documents",
-                     "train_sequences": len(train_set), "train_tokens": sum(train_set["length"]),
-                     "eval_sequences": len(eval_set), "eval_tokens": sum(eval_set["length"])},
-            "settings": settings,
-        }
-        eval_set = eval_set.map(MaskedFlattening(tokenizer, mlm_probability, whole_word_mask, EVAL_MASK_SEED).mask,
-                                remove_columns=eval_set.column_names, new_fingerprint="eval-masked",
-                                desc="Masking the eval text")
-        record["data"]["eval_masked_tokens"] = sum(sum(label != -100 for label in row) for row in eval_set["labels"])
-        train_set = train_set.select_columns(["input_ids", *(["offsets"] if whole_word_mask else [])])
+        tokenizer, train_set, eval_set, data = prepare_text(
+            train_files, eval_files, train, Path(cache), model, tokenizer, train_tokenizer, folder_config, max_length,
+            mlm_probability, whole_word_mask, seed, num_proc)
+        record = {"base_model": str(model) if model is not None else None, "data": data, "settings": settings}
         return train_and_save(model, config, tokenizer, train_set, eval_set, destination, scratch, checkpoint,
                               record, training_args)
 
@@ -437,26 +415,76 @@ def held_out(documents, train, seed: int):
     return documents.train_test_split(test_size=max(1, round(HELD_OUT * len(documents))), seed=seed)
 
 
-def train_and_save(model, config, tokenizer, train_set, eval_set, destination, scratch, checkpoint, record,
-                   training_args) -> dict:
-    settings = record["settings"]
+def prepare_text(train_files: dict, eval_files: dict, train, cache: Path, model, tokenizer, train_tokenizer,
+                 folder_config, max_length: int, mlm_probability: float, whole_word_mask: bool, seed: int,
+                 num_proc=None):
+    """The pre-training data path: documents read into `datasets` under `cache`, the tokenizer (the model folder's,
+    a folder, or trained on the training documents), each document cut into sequences, the evaluation set masked
+    once. Returns (tokenizer, train_set, eval_set, the data record)."""
+    train_docs = load_documents(train_files, cache / "train")
+    if eval_files:
+        eval_docs = load_documents(eval_files, cache / "eval")
+    else:
+        split = held_out(train_docs, train, seed)
+        train_docs, eval_docs = split["train"], split["test"]
+    tokenizer = choose_tokenizer(model, tokenizer, train_tokenizer, folder_config, train_docs)
+    check_tokenizer(tokenizer, model or "tokenizer")
+    chunk = chunker(tokenizer, max_length, whole_word_mask)
+    train_set, eval_set = (docs.map(chunk, batched=True, remove_columns=docs.column_names, num_proc=num_proc,
+                                    new_fingerprint=f"{name}-chunks", desc=f"Tokenizing the {name} text")
+                           for name, docs in (("train", train_docs), ("eval", eval_docs)))
+    data = {"train": data_record(train_files, train_set),
+            "eval": data_record(eval_files, eval_set) if eval_files else
+            f"{len(eval_docs)} held-out training documents",
+            "train_sequences": len(train_set), "train_tokens": sum(train_set["length"]),
+            "eval_sequences": len(eval_set), "eval_tokens": sum(eval_set["length"])}
+    eval_set = eval_set.map(MaskedFlattening(tokenizer, mlm_probability, whole_word_mask, EVAL_MASK_SEED).mask,
+                            remove_columns=eval_set.column_names, new_fingerprint="eval-masked",
+                            desc="Masking the eval text")
+    data["eval_masked_tokens"] = sum(sum(label != -100 for label in row) for row in eval_set["labels"])
+    train_set = train_set.select_columns(["input_ids", *(["offsets"] if whole_word_mask else [])])
+    return tokenizer, train_set, eval_set, data
+
+
+def training_arguments(settings: dict, scratch: Path, **overrides) -> transformers.TrainingArguments:
+    """The Trainer settings of a pre-training run; `overrides` (TrainingArguments fields) replace or add to them."""
     warmup = settings["warmup_ratio"] if settings["warmup_ratio"] is not None else settings["warmup_steps"]
     scheduler = settings["scheduler"] + ("_with_warmup" if settings["scheduler"] == "constant" and warmup else "")
     interval = settings["eval_steps"] or 0.25
+    values = dict(
+        output_dir=str(scratch), max_steps=settings["max_steps"] or -1,
+        num_train_epochs=settings["epochs"] or 1.0, per_device_train_batch_size=settings["batch_size"],
+        per_device_eval_batch_size=settings["batch_size"], learning_rate=settings["learning_rate"],
+        warmup_steps=warmup, lr_scheduler_type=scheduler, weight_decay=0.01, seed=settings["seed"],
+        eval_strategy="steps", eval_steps=interval, save_strategy="steps", save_steps=interval,
+        logging_steps=0.05, logging_first_step=True, load_best_model_at_end=True,
+        metric_for_best_model="mlm_loss", greater_is_better=False, save_total_limit=1,
+        include_num_input_tokens_seen=True, remove_unused_columns=False, report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+    )
     try:
-        args = transformers.TrainingArguments(
-            output_dir=str(scratch), max_steps=settings["max_steps"] or -1,
-            num_train_epochs=settings["epochs"] or 1.0, per_device_train_batch_size=settings["batch_size"],
-            per_device_eval_batch_size=settings["batch_size"], learning_rate=settings["learning_rate"],
-            warmup_steps=warmup, lr_scheduler_type=scheduler, weight_decay=0.01, seed=settings["seed"],
-            eval_strategy="steps", eval_steps=interval, save_strategy="steps", save_steps=interval,
-            logging_steps=0.05, logging_first_step=True, load_best_model_at_end=True,
-            metric_for_best_model="mlm_loss", greater_is_better=False, save_total_limit=1,
-            include_num_input_tokens_seen=True, remove_unused_columns=False, report_to=[],
-            use_cpu=not torch.cuda.is_available(), **training_args,
-        )
+        return transformers.TrainingArguments(**{**values, **overrides})
     except ValueError as error:
         raise PretrainError(f"training settings: {' '.join(str(error).split())}") from None
+
+
+def mlm_trainer(network, args, tokenizer, train_set, eval_set, settings: dict, **kwargs) -> transformers.Trainer:
+    """A pre-training Trainer: masking each sequence on its own, then flattening; the masked-LM metrics; no progress
+    bar (the caller adds its own)."""
+    trainer = transformers.Trainer(
+        model=network, args=args, train_dataset=train_set, eval_dataset=eval_set,
+        data_collator=MaskedFlattening(tokenizer, settings["mlm_probability"], settings["whole_word_mask"],
+                                       settings["seed"]),
+        compute_metrics=mlm_metrics, preprocess_logits_for_metrics=token_scores, **kwargs)
+    trainer.remove_callback(transformers.ProgressCallback)
+    trainer.remove_callback(transformers.PrinterCallback)
+    return trainer
+
+
+def train_and_save(model, config, tokenizer, train_set, eval_set, destination, scratch, checkpoint, record,
+                   training_args) -> dict:
+    settings = record["settings"]
+    args = training_arguments(settings, scratch, **training_args)
     transformers.set_seed(settings["seed"])
     network, initialized = starting_model(model, config, tokenizer)
     if args.should_save:
@@ -464,12 +492,7 @@ def train_and_save(model, config, tokenizer, train_set, eval_set, destination, s
             shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True, exist_ok=True)
         (scratch / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
-    trainer = transformers.Trainer(
-        model=network, args=args, train_dataset=train_set, eval_dataset=eval_set,
-        data_collator=MaskedFlattening(tokenizer, settings["mlm_probability"], settings["whole_word_mask"],
-                                       settings["seed"]),
-        compute_metrics=mlm_metrics, preprocess_logits_for_metrics=token_scores, callbacks=[EvaluateAtTheEnd()])
-    trainer.remove_callback(transformers.ProgressCallback)
+    trainer = mlm_trainer(network, args, tokenizer, train_set, eval_set, settings, callbacks=[EvaluateAtTheEnd()])
     trainer.add_callback(TokensPerSecond())
     # The starting point is scored after training, on a copy, as in finetune (DDP: see finetune.train_and_save).
     baseline = copy.deepcopy(network)
@@ -483,11 +506,7 @@ def train_and_save(model, config, tokenizer, train_set, eval_set, destination, s
     best_step = int(Path(trainer.state.best_model_checkpoint).name.split("-")[-1])
     # the best checkpoint's own evaluation: the eval masking is fixed, so evaluating it again would repeat it exactly
     after = next(entry for entry in history if "eval_mlm_loss" in entry and entry["step"] == best_step)
-    evaluator = transformers.Trainer(model=baseline, args=args, eval_dataset=eval_set,
-                                     data_collator=trainer.data_collator, compute_metrics=mlm_metrics,
-                                     preprocess_logits_for_metrics=token_scores)
-    evaluator.remove_callback(transformers.ProgressCallback)
-    before = evaluator.evaluate()
+    before = mlm_trainer(baseline, args, tokenizer, None, eval_set, settings).evaluate()
     del baseline
     trained_tokens = trainer.state.num_input_tokens_seen
     record = {

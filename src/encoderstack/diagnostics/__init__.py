@@ -1,5 +1,6 @@
 """Why normalization placement matters, measured: per-layer diagnostics for any EncoderStack model, a synthetic
-masked-LM task to train on, and the report that puts them together (`encoderstack diagnose`).
+masked-LM task to train on, and the report that puts them together (`encoderstack diagnose`); `--corpus` trains on
+real text instead, through the pre-training data path (`diagnostics.corpus`).
 
 The measurements take a model and a batch (`input_ids`, optionally `attention_mask` / `token_type_ids` /
 `position_ids`, and `labels` for the masked-LM loss) and work on any EncoderStack model, a converted checkpoint

@@ -7,7 +7,9 @@ import sys
 import time
 
 from ..configuration_encoderstack import NORM_PLACEMENTS
+from ..finetune import FinetuneError
 from ..output_folder import OutputFolderError
+from .corpus import STDLIB
 from .report import QUICK, ReportSettings, run_report
 
 DEFAULT_OUTPUT = "encoderstack-diagnostics"
@@ -34,6 +36,12 @@ def placement_list(text: str) -> tuple[str, ...]:
 def positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
     return int(text)
 
 
@@ -73,6 +81,11 @@ def add_diagnose_command(commands) -> argparse.ArgumentParser:
                                f"--quick: {quick.hidden_size})")
     diagnose.add_argument("--lr", type=positive_float, help=f"peak learning rate (default {full.lr:g})")
     diagnose.add_argument("--seed", type=int, help=f"seed of every initialization and batch (default {full.seed})")
+    diagnose.add_argument("--warmup-steps", dest="warmup", type=non_negative_int,
+                          help="linear warm-up of the warm-up runs, in steps (default: a fifth of --steps)")
+    diagnose.add_argument("--corpus", metavar="TEXT",
+                          help=f"train on real text through pretrain's data path: a .txt/.jsonl file or folder, as "
+                               f"pretrain --train takes, or '{STDLIB}' (the installed Python's docstrings)")
     diagnose.add_argument("--out", default=DEFAULT_OUTPUT, help=f"report folder (default ./{DEFAULT_OUTPUT})")
     diagnose.add_argument("--quick", action="store_true", help="small depths and few steps: about a minute")
     diagnose.add_argument("--force", action="store_true", help="replace an existing report folder")
@@ -88,8 +101,8 @@ def diagnose_command(args) -> int:
     start = time.perf_counter()
     try:
         folder = run_report(args.out, settings, force=args.force, progress=print)
-    except (OutputFolderError, ImportError) as error:
-        print(f"encoderstack: error: {error}", file=sys.stderr)
+    except (OutputFolderError, FinetuneError, ImportError) as error:
+        print("encoderstack: error: " + " ".join(str(error).split()), file=sys.stderr)
         return 2
     print(f"wrote {folder / 'index.md'} in {time.perf_counter() - start:.0f} s")
     return 0

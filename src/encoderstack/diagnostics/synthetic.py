@@ -65,8 +65,13 @@ def diagnostic_config(norm_placement: str, num_layers: int, hidden_size: int = 6
     measurement and training run is a deterministic function of the seed), and rotary positions: with BERT's learned
     positions starting from N(0, 0.02), a 6-layer pre-LN model at width 64 needs ~250 steps to start using the
     neighbour and partner positions (loss 3.54 -> 2.2 after 300 steps at lr 1e-3); with rotary ones, -> 0.4."""
-    values = dict(
-        vocab_size=TASK_VOCAB_SIZE,
+    return EncoderStackConfig(**{"vocab_size": TASK_VOCAB_SIZE, **diagnostic_fields(norm_placement, num_layers,
+                                                                                     hidden_size), **overrides})
+
+
+def diagnostic_fields(norm_placement: str, num_layers: int, hidden_size: int) -> dict:
+    """The config fields of `diagnostic_config` but the vocabulary, which is the task's (or the tokenizer's)."""
+    return dict(
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
@@ -77,8 +82,6 @@ def diagnostic_config(norm_placement: str, num_layers: int, hidden_size: int = 6
         attention_probs_dropout_prob=0.0,
         norm_placement=norm_placement,
     )
-    values.update(overrides)
-    return EncoderStackConfig(**values)
 
 
 def build_masked_lm(config: EncoderStackConfig, seed: int) -> EncoderStackForMaskedLM:
