@@ -18,8 +18,7 @@ from .modeling_encoderstack import (
     EncoderStackModel,
     EncoderStackPreTrainedModel,
 )
-
-__version__ = "0.1.0"
+from .version import __version__
 
 
 def _register() -> None:

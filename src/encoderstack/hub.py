@@ -15,12 +15,10 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from safetensors import SafetensorError, safe_open
 
-from .conversion.converter import expected_tensors
-from .conversion.keymap import task_for_encoderstack_class
+from .checkpoint import CODE_FILES, expected_tensors
 from .hub_card import CARD_NAME, HubError, build_card, read_folder_config, write_card
 from .modeling_encoderstack import AUTO_MAP, EncoderStackPreTrainedModel
 
-CODE_FILES = ("configuration_encoderstack.py", "modeling_encoderstack.py")
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
@@ -49,7 +47,7 @@ def weight_problems(folder: Path, config, class_name: str) -> list[str]:
                 shapes.update({key: tuple(weights.get_slice(key).get_shape()) for key in weights.keys()})
         except (OSError, SafetensorError) as error:
             return [f"{shard}: not a readable safetensors file ({error})"]
-    expected = expected_tensors(config, task_for_encoderstack_class(class_name))
+    expected = expected_tensors(config, class_name)
     where = WEIGHTS_INDEX_NAME if index.is_file() else WEIGHTS_NAME
     problems = []
     if missing := expected.keys() - shapes.keys():
