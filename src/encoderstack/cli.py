@@ -135,7 +135,7 @@ def pretrain_command(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .conversion import TASKS
     from .diagnostics.command import positive_float, positive_int
-    from .hub import add_hub_commands
+    from .commands.hub import add_hub_commands
 
     parser = argparse.ArgumentParser(prog="encoderstack", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
