@@ -13,11 +13,11 @@ from conftest import PLACEMENTS, build, real
 from transformers import BertConfig, BertForMaskedLM
 
 import encoderstack
+from encoderstack.commands.diagnose import add_diagnose_command
 from encoderstack.diagnostics import (
     ReportSettings,
     SyntheticMLMTask,
     activation_rms_per_layer,
-    add_diagnose_command,
     consecutive_layer_similarity,
     diagnostic_config,
     divergence,

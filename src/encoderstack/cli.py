@@ -134,7 +134,8 @@ def pretrain_command(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .conversion import TASKS
-    from .diagnostics.command import positive_float, positive_int
+    from .commands import positive_float, positive_int
+    from .commands.diagnose import add_diagnose_command
     from .commands.hub import add_hub_commands
 
     parser = argparse.ArgumentParser(prog="encoderstack", description=__doc__)
@@ -221,8 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="replace an existing output folder; keep an int8 model below cosine 0.99")
     onnx.set_defaults(run=export_onnx_command)
     add_hub_commands(commands)
-    from .diagnostics import add_diagnose_command
-
     add_diagnose_command(commands)
     return parser
 

@@ -2,13 +2,13 @@
 
 import argparse
 import dataclasses
-import math
 import sys
 import time
 
 from ..configuration_encoderstack import NORM_PLACEMENTS
+from ..diagnostics.report import QUICK, ReportSettings, run_report
 from ..output_folder import OutputFolderError
-from .report import QUICK, ReportSettings, run_report
+from . import positive_float, positive_int
 
 DEFAULT_OUTPUT = "encoderstack-diagnostics"
 
@@ -29,22 +29,6 @@ def placement_list(text: str) -> tuple[str, ...]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown placement {unknown[0]!r}; choose from {','.join(NORM_PLACEMENTS)}")
     return placements
-
-
-def positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
-    return value
 
 
 def model_width(text: str) -> int:
