@@ -18,7 +18,7 @@ from .modeling_encoderstack import (
     EncoderStackModel,
     EncoderStackPreTrainedModel,
 )
-from .version import __version__
+from .version import __version__  # noqa: F401  (encoderstack.__version__)
 
 
 def _register() -> None:

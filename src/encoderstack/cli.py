@@ -133,10 +133,10 @@ def pretrain_command(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .conversion import TASKS
     from .commands import positive_float, positive_int
     from .commands.diagnose import add_diagnose_command
     from .commands.hub import add_hub_commands
+    from .conversion import TASKS
 
     parser = argparse.ArgumentParser(prog="encoderstack", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)

@@ -20,8 +20,8 @@ import transformers
 from torch import nn
 
 from . import modeling_encoderstack
-from .configuration_encoderstack import EncoderStackConfig
 from .checkpoint import sha256
+from .configuration_encoderstack import EncoderStackConfig
 from .conversion.keymap import TASKS
 from .output_folder import OutputFolder
 from .conversion.verify import OUTPUTS, sample_batches

@@ -9,7 +9,6 @@ import json
 import math
 import os
 import re
-import shutil
 import struct
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +20,8 @@ import transformers
 from tqdm.auto import tqdm
 
 from ..checkpoint import CODE_FILES, copy_code_files, expected_tensors, sha256
-from ..hub_card import write_card
 from ..configuration_encoderstack import EncoderStackConfig
+from ..hub_card import write_card
 from ..modeling_encoderstack import AUTO_MAP
 from ..output_folder import OutputFolder
 from ..version import __version__
@@ -43,6 +42,7 @@ from .sources import (
     WEIGHT_FILE_NAMES,
     Source,
     TensorSource,
+    copy_other_files,
     has_hf_weights,
     open_hf_weights,
     read_config,
@@ -312,31 +312,6 @@ def write_encoderstack_folder(folder: Path, source: Source, conversion: Plan) ->
         source.write_extras(folder)
     if source.copy_other_files:
         copy_other_files(source, folder)
-
-
-def copy_other_files(source: Source, folder: Path) -> None:
-    """Every file of the source that is not the checkpoint itself (tokenizer, sentence-transformers modules, ...).
-
-    A link that leads out of the source folder is refused: the output may be published, and a checkout can hold a
-    link to any file of the machine. (A Hub snapshot's files are links into the Hub cache, which is allowed.)"""
-    from huggingface_hub import constants
-
-    roots = [Path(os.path.realpath(path)) for path in (source.folder, constants.HF_HUB_CACHE)]
-
-    def copy_inside(item, destination):
-        real = Path(os.path.realpath(item))
-        if not any(root == real or root in real.parents for root in roots):
-            raise ConversionError(f"{item}: a link to {real}, outside the source folder; not copied (copy the "
-                                  "file into the folder to include it)")
-        shutil.copyfile(item, destination)
-
-    for item in sorted(source.folder.iterdir()):
-        if item.name in source.own_files or item.name.startswith(".") or (folder / item.name).exists():
-            continue
-        if item.is_dir():
-            shutil.copytree(item, folder / item.name, copy_function=copy_inside)
-        elif item.is_file():
-            copy_inside(item, folder / item.name)
 
 
 def convert(source_path, output_path, task: str | None = None, verify: bool = True, force: bool = False,

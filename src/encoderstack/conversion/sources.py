@@ -6,7 +6,9 @@ Google's TensorFlow release in tensorflow.py) opens a checkpoint as.
 """
 
 import json
+import os
 import re
+import shutil
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -206,3 +208,28 @@ class Source:
 
 def read_config(folder: Path, name: str = "config.json") -> dict:
     return read_json_object(folder / name, ConversionError)
+
+
+def copy_other_files(source: Source, folder: Path) -> None:
+    """Every file of the source that is not the checkpoint itself (tokenizer, sentence-transformers modules, ...).
+
+    A link that leads out of the source folder is refused: the output may be published, and a checkout can hold a
+    link to any file of the machine. (A Hub snapshot's files are links into the Hub cache, which is allowed.)"""
+    from huggingface_hub import constants
+
+    roots = [Path(os.path.realpath(path)) for path in (source.folder, constants.HF_HUB_CACHE)]
+
+    def copy_inside(item, destination):
+        real = Path(os.path.realpath(item))
+        if not any(root == real or root in real.parents for root in roots):
+            raise ConversionError(f"{item}: a link to {real}, outside the source folder; not copied (copy the "
+                                  "file into the folder to include it)")
+        shutil.copyfile(item, destination)
+
+    for item in sorted(source.folder.iterdir()):
+        if item.name in source.own_files or item.name.startswith(".") or (folder / item.name).exists():
+            continue
+        if item.is_dir():
+            shutil.copytree(item, folder / item.name, copy_function=copy_inside)
+        elif item.is_file():
+            copy_inside(item, folder / item.name)
