@@ -11,6 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import encoderstack  # noqa: E402  (registers the Auto classes)
 from encoderstack import EncoderStackConfig  # noqa: E402
 from encoderstack.configuration_encoderstack import NORM_PLACEMENTS  # noqa: E402
+from encoderstack.parity import real_tokens as real  # noqa: E402, F401  (the same real tokens as the parity checks)
 
 PLACEMENTS = NORM_PLACEMENTS
 BACKENDS = ("eager", "sdpa")
@@ -107,11 +108,6 @@ def first_output(outputs):
         if getattr(outputs, key, None) is not None:
             return getattr(outputs, key)
     raise AssertionError(f"no main output in {type(outputs).__name__}")
-
-
-def real(tensor, attention_mask):
-    """Only the real (non-padding) token positions of a (batch, seq, ...) tensor."""
-    return tensor[attention_mask.bool()]
 
 
 @pytest.fixture

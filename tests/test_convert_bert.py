@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 import transformers
+from conftest import real
 from safetensors.torch import load_file, save_file
 
 import encoderstack
@@ -78,11 +79,6 @@ def assert_same_loss(reference, converted, batch, suffix):
     with torch.no_grad():
         expected, actual = reference(**full, **labels).loss, converted(**full, **labels).loss
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0, msg="loss")
-
-
-def real(tensor, mask):
-    """Real-token rows of a per-token output; sequence-level outputs (pooler, class logits) whole."""
-    return tensor[mask.bool()] if tuple(tensor.shape[:2]) == tuple(mask.shape) else tensor
 
 
 def main_outputs(outputs):

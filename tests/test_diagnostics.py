@@ -16,11 +16,11 @@ from transformers import BertConfig, BertForMaskedLM
 
 import encoderstack
 from encoderstack import pretrain as pretrain_module
+from encoderstack.commands.diagnose import add_diagnose_command
 from encoderstack.diagnostics import (
     ReportSettings,
     SyntheticMLMTask,
     activation_rms_per_layer,
-    add_diagnose_command,
     consecutive_layer_similarity,
     diagnostic_config,
     divergence,

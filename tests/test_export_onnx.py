@@ -17,10 +17,10 @@ from conftest import batch, build, head_inputs, real
 
 import encoderstack
 from encoderstack import ExportError, cli
-from encoderstack.conversion.converter import sha256
+from encoderstack.checkpoint import sha256
 from encoderstack.conversion.verify import PAIRS, SENTENCES
-from encoderstack.conversion.verify import real as real_tokens
 from encoderstack.export_onnx import quantize_int8, verification_batches
+from encoderstack.parity import real_tokens
 
 ES = encoderstack
 CASES = [  # (head, config overrides, attention backend)

@@ -248,6 +248,13 @@ def gpt2_folder(folder):
     return folder
 
 
+def unconvertible_bert_folder(folder):
+    folder.mkdir()
+    write(folder / "config.json", json.dumps({"model_type": "bert", "architectures": ["BertLMHeadModel"]}))
+    write(folder / "vocab.txt", "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")
+    return folder
+
+
 def folder_without_tokenizer(folder):
     encoderstack.EncoderStackModel(encoderstack.EncoderStackConfig(
         vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37)
@@ -282,13 +289,14 @@ def small_vocabulary(folder):
 @pytest.mark.parametrize("make, message", [
     (lambda folder: folder, r"model: no such model folder"),
     (gpt2_folder, r"model[/\\]config.json: model_type 'gpt2' is not an EncoderStack or BERT model"),
+    (unconvertible_bert_folder, r"model[/\\]config.json: architecture 'BertLMHeadModel' cannot be converted"),
     (folder_without_tokenizer, r"model: no tokenizer \(tokenizer.json or vocab.txt\)"),
     (three_label_head, r"config.json: its EncoderStackForSequenceClassification head was trained for the labels "
                        r"angry, calm, sad; the training data has negative, positive"),
     (question_answering_head, r"config.json: the folder holds an EncoderStackForQuestionAnswering head; fine-tuning "
                               r"it for text-classification would start from that head's weights"),
     (small_vocabulary, r"model: the tokenizer has 30522 tokens but the model only 99 embeddings"),
-], ids=["missing", "gpt2", "no-tokenizer", "other-labels", "other-head", "small-vocabulary"])
+], ids=["missing", "gpt2", "unconvertible-bert", "no-tokenizer", "other-labels", "other-head", "small-vocabulary"])
 def test_a_model_folder_that_cannot_be_fine_tuned_is_refused_before_it_is_loaded(tmp_path, no_model_load, make,
                                                                                    message):
     model = make(tmp_path / "model")

@@ -3,13 +3,9 @@
 Importing the package calls `register()`: the Auto classes, and the hooks it adds to the model classes.
 """
 
-from importlib.metadata import version
+import transformers
 
-__version__ = version("encoderstack")  # its one source is pyproject.toml
-
-import transformers  # noqa: E402
-
-from . import modeling_encoderstack  # noqa: E402
+from . import modeling_encoderstack
 from .configuration_encoderstack import EncoderStackConfig
 from .modeling_encoderstack import (
     AUTO_MAP,
@@ -27,6 +23,7 @@ from .export_onnx import ExportError, export_onnx
 from .hub import push_folder, push_model
 from .hub_card import HubError, build_card, write_card
 from .output_folder import OutputFolderError
+from .version import __version__
 
 
 def register() -> None:
@@ -55,6 +52,7 @@ def register() -> None:
 register()
 
 __all__ = [
+    "__version__",
     "AUTO_MAP",
     "ConversionError",
     "ExportError",

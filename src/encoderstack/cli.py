@@ -18,18 +18,15 @@ def embedded_default() -> Path:
 
 
 def parity_table(parity: dict) -> str:
-    backends = list(parity["results"])
-    rows = {}
-    for backend, results in parity["results"].items():
-        for row in results:
-            rows.setdefault(row["output"], {})[backend] = row["max_abs_diff"]
-    width = max(len(name) for name in rows) + 2
+    from .parity import parity_rows
+
+    backends, rows = parity_rows(parity, missing="-")
+    width = max(len(name) for name, _ in rows) + 2
     lines = [f"max |EncoderStack - {parity['reference']}| on real tokens ({parity['inputs']})",
              f"{'output':<{width}}" + "".join(f"{b:>12}" for b in backends)]
-    for name, values in rows.items():
-        lines.append(f"{name:<{width}}" + "".join(f"{values[b]:>12.2e}" if b in values else f"{'-':>12}"
-                                                  for b in backends))
-    ok = all(v <= parity["tolerance"] for values in rows.values() for v in values.values())
+    for name, cells in rows:
+        lines.append(f"{name:<{width}}" + "".join(f"{cell:>12}" for cell in cells))
+    ok = all(row["max_abs_diff"] <= parity["tolerance"] for results in parity["results"].values() for row in results)
     lines.append(f"parity {'OK' if ok else 'FAILED'} (tolerance {parity['tolerance']:g})")
     return "\n".join(lines)
 
@@ -136,9 +133,10 @@ def pretrain_command(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .commands import positive_float, positive_int
+    from .commands.diagnose import add_diagnose_command
+    from .commands.hub import add_hub_commands
     from .conversion import TASKS
-    from .diagnostics.command import positive_float, positive_int
-    from .hub import add_hub_commands
 
     parser = argparse.ArgumentParser(prog="encoderstack", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -224,8 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="replace an existing output folder; keep an int8 model below cosine 0.99")
     onnx.set_defaults(run=export_onnx_command)
     add_hub_commands(commands)
-    from .diagnostics import add_diagnose_command
-
     add_diagnose_command(commands)
     return parser
 

@@ -19,14 +19,16 @@ import torch
 import transformers
 from torch import nn
 
-from . import __version__, modeling_encoderstack
+from . import modeling_encoderstack
+from .checkpoint import sha256
 from .configuration_encoderstack import EncoderStackConfig
-from .conversion.converter import sha256
 from .conversion.keymap import TASKS
 from .output_folder import OutputFolder
-from .conversion.verify import OUTPUTS, real, sample_batches
+from .conversion.verify import OUTPUTS, sample_batches
 from .jsonfile import read_json_object
 from .modeling_encoderstack import EncoderStackForMultipleChoice, EncoderStackModel, EncoderStackPreTrainedModel
+from .parity import real_tokens
+from .version import __version__
 
 TOLERANCE = 1e-4
 MIN_INT8_COSINE = 0.99
@@ -206,7 +208,7 @@ def check_parity(model, names, session, path: Path, batches: list[dict], inputs:
         mask = flat_mask(batch)
         expected, got = run_torch(model, names, batch), run_onnx(session, batch)
         for name in names:
-            a, b = real(expected[name], mask), real(got[name], mask)
+            a, b = real_tokens(expected[name], mask), real_tokens(got[name], mask)
             check_finite(name, a, b, path)
             worst[name] = max(worst[name], (a - b).abs().max().item() if a.numel() else 0.0)
     parity = {"reference": "ONNX Runtime", "inputs": inputs, "tolerance": TOLERANCE,

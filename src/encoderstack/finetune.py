@@ -16,13 +16,13 @@ import numpy as np
 import torch
 import transformers
 
-from .conversion.keymap import FAMILIES, task_for_architecture
+from .checkpoint import TOKENIZER_FILES, has_tokenizer
+from .conversion.keymap import FAMILIES, ConversionError, task_for_architecture
 from .hub_card import write_card
 from .jsonfile import read_json_object
 from .output_folder import OutputFolder
 
 DATA = Path(__file__).parent / "data" / "sentiment"
-TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 # Heads whose `classifier` weights another of them would load as its own when the shapes agree.
 CLASSIFIER_HEADS = ("EncoderStackForSequenceClassification", "EncoderStackForTokenClassification",
                     "EncoderStackForQuestionAnswering", "EncoderStackForMultipleChoice")
@@ -277,24 +277,28 @@ def model_config(model) -> dict:
     if config.get("model_type") != "encoderstack" and config.get("model_type") not in FAMILIES:
         raise FinetuneError(f"{folder / 'config.json'}: model_type {config.get('model_type')!r} is not an "
                             f"EncoderStack or BERT model")
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+    if not has_tokenizer(folder):
         raise FinetuneError(f"{folder}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); fine-tuning takes the "
                             f"tokenizer from the model folder")
     return config
 
 
-def head_class(config) -> str | None:
-    """The EncoderStack class the folder's weights are for (a BERT architecture is translated), None if unknown."""
+def head_class(config, path: Path) -> str | None:
+    """The EncoderStack class the weights of the folder (`path`: its config.json) are for (a BERT architecture is
+    translated), None if unknown."""
     architecture = (config.get("architectures") or [None])[0]
     if config["model_type"] == "encoderstack" or architecture is None:
         return architecture
-    return task_for_architecture(architecture)[1].encoderstack_class
+    try:
+        return task_for_architecture(architecture)[1].encoderstack_class
+    except ConversionError as error:  # the model folder is fine-tuning's input: its error, not a conversion's
+        raise FinetuneError(f"{path}: {error}") from None
 
 
 def training_labels(config, model, spec: Task, labels: list[str]) -> list[str]:
     """The labels to train, in the order of the folder's own head when it is this task's. A head of another task is
     refused: its `classifier` weights would become the new head's whenever the shapes agree."""
-    head = head_class(config)
+    head = head_class(config, Path(model) / "config.json")
     if head in CLASSIFIER_HEADS and head != spec.model_class:
         raise FinetuneError(f"{Path(model) / 'config.json'}: the folder holds an {head} head; fine-tuning it for "
                             f"{spec.name} would start from that head's weights (start from a base or masked-LM model)")

@@ -15,12 +15,10 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from safetensors import SafetensorError, safe_open
 
-from .conversion.converter import expected_tensors
-from .conversion.keymap import task_for_encoderstack_class
+from .checkpoint import CODE_FILES, expected_tensors
 from .hub_card import CARD_NAME, HubError, build_card, read_folder_config, write_card
 from .modeling_encoderstack import AUTO_MAP, EncoderStackPreTrainedModel
 
-CODE_FILES = ("configuration_encoderstack.py", "modeling_encoderstack.py")
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
@@ -49,7 +47,7 @@ def weight_problems(folder: Path, config, class_name: str) -> list[str]:
                 shapes.update({key: tuple(weights.get_slice(key).get_shape()) for key in weights.keys()})
         except (OSError, SafetensorError) as error:
             return [f"{shard}: not a readable safetensors file ({error})"]
-    expected = expected_tensors(config, task_for_encoderstack_class(class_name))
+    expected = expected_tensors(config, class_name)
     where = WEIGHTS_INDEX_NAME if index.is_file() else WEIGHTS_NAME
     problems = []
     if missing := expected.keys() - shapes.keys():
@@ -172,33 +170,4 @@ def push_model(model, repo_id: str, *, commit_message: str | None = None, commit
                            commit_description=commit_description, create_pr=create_pr)
 
 
-def card_command(args) -> int:
-    print(f"wrote {write_card(args.folder)}")
-    return 0
-
-
-def push_command(args) -> int:
-    commit = push_folder(args.folder, args.repo_id, private=args.private, revision=args.revision,
-                         commit_message=args.commit_message, token=args.token)
-    print(f"pushed {args.folder} -> {commit.commit_url}")
-    return 0
-
-
-def add_hub_commands(commands) -> None:
-    """`encoderstack card` and `encoderstack push`, on the CLI's subparsers."""
-    card = commands.add_parser("card", help="write the model card (README.md) of an EncoderStack folder")
-    card.add_argument("folder", metavar="DIR")
-    card.set_defaults(run=card_command)
-
-    push = commands.add_parser("push", help="check an EncoderStack folder, then publish it to the Hub in one commit")
-    push.add_argument("folder", metavar="DIR")
-    push.add_argument("repo_id", metavar="REPO_ID", help="the Hub repository, namespace/name (created if missing)")
-    push.add_argument("--private", action="store_true", help="create the repository private (an existing one keeps "
-                                                             "its visibility)")
-    push.add_argument("--revision", metavar="R", help="branch to commit to, created if missing (default: main)")
-    push.add_argument("--commit-message", metavar="M")
-    push.add_argument("--token", metavar="T", help="Hub token (default: HF_TOKEN, or the one `hf auth login` saved)")
-    push.set_defaults(run=push_command)
-
-
-__all__ = ["CODE_FILES", "add_hub_commands", "check_folder", "push_folder", "push_model"]
+__all__ = ["CODE_FILES", "check_folder", "push_folder", "push_model"]

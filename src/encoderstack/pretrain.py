@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 import transformers
 
+from .checkpoint import sha256
 from .configuration_encoderstack import EncoderStackConfig
-from .conversion.converter import OutputFolder, sha256
 from .finetune import DataError, FinetuneError, check_settings, is_integer, load_tokenizer, model_config, plot_losses
 from .hub_card import write_card
 from .jsonfile import read_json_object
 from .modeling_encoderstack import EncoderStackForMaskedLM
+from .output_folder import OutputFolder
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 SCHEDULERS = ("linear", "cosine", "constant")

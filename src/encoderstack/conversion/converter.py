@@ -5,29 +5,26 @@ in a hidden sibling folder and renamed into place at the end.
 """
 
 import errno
-import hashlib
 import json
 import math
 import os
 import re
-import shutil
 import struct
 import tempfile
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
 from tqdm.auto import tqdm
 
-from .. import __version__, configuration_encoderstack, modeling_encoderstack
-from ..hub_card import write_card
-from ..jsonfile import read_json_object
+from ..checkpoint import CODE_FILES, copy_code_files, expected_tensors, sha256
 from ..configuration_encoderstack import EncoderStackConfig
+from ..hub_card import write_card
 from ..modeling_encoderstack import AUTO_MAP
 from ..output_folder import OutputFolder
+from ..version import __version__
 from .keymap import (
     BERT_FIELDS,
     ENCODER_KEYS,
@@ -40,30 +37,18 @@ from .keymap import (
     task_for_encoderstack_class,
     translate,
 )
-from .sources import SAFETENSORS_DTYPES, WEIGHT_FILE_NAMES, TensorSource, has_hf_weights, open_hf_weights
+from .sources import (
+    SAFETENSORS_DTYPES,
+    WEIGHT_FILE_NAMES,
+    Source,
+    TensorSource,
+    copy_other_files,
+    has_hf_weights,
+    open_hf_weights,
+    read_config,
+)
 
 TOLERANCE = 1e-5
-
-
-@dataclass
-class Source:
-    """A checkpoint to convert: its folder, its config as a dict, its tensors, and how to name them in BERT terms."""
-
-    folder: Path
-    config: dict
-    tensors: TensorSource
-    bert_names: dict  # source key -> (Hugging Face BERT key, transpose?)
-    skipped: dict = field(default_factory=dict)  # source keys skipped before mapping (optimizer slots, ...)
-    own_files: tuple = ()  # files that make up the checkpoint itself, not copied to the output
-    copy_other_files: bool = True  # copy the folder's other files (tokenizer, modules, ...) as they are
-    notes: dict = field(default_factory=dict)  # choices made for this source, recorded in conversion.json
-    write_extras: Callable[[Path], None] | None = None  # e.g. a tokenizer built from a TF release's vocab.txt
-    reference: str = "source"  # verify against the source folder, or "google": Google's math over the tensors
-    config_file: str = "config.json"
-
-    @property
-    def config_path(self) -> Path:
-        return self.folder / self.config_file
 
 
 @dataclass
@@ -80,10 +65,6 @@ def bert_name(key: str) -> str:
     """The modern Hugging Face BERT name of a state-dict key: no `bert.` prefix, LayerNorm weight/bias."""
     key = key.removeprefix("bert.")
     return re.sub(r"LayerNorm\.gamma\Z", "LayerNorm.weight", re.sub(r"LayerNorm\.beta\Z", "LayerNorm.bias", key))
-
-
-def read_config(folder: Path, name: str = "config.json") -> dict:
-    return read_json_object(folder / name, ConversionError)
 
 
 def hub_id(name_or_path) -> str | None:
@@ -226,14 +207,6 @@ def detect_task(source: Source) -> tuple[str, Task]:
     return family_name, TASKS["base"]
 
 
-def expected_tensors(config: EncoderStackConfig, task: Task) -> dict:
-    """Every tensor the target model stores, with its shape (built on the meta device: no memory, no init)."""
-    with torch.device("meta"):
-        model = getattr(modeling_encoderstack, task.encoderstack_class)(config)
-    tied = set(model._tied_weights_keys or {}) if config.tie_word_embeddings else set()
-    return {key: tuple(value.shape) for key, value in model.state_dict().items() if key not in tied}
-
-
 def refuse_untied_decoder(source: Source, decoder: str) -> None:
     """Tying would drop a trained decoder that differs from the embeddings (transformers does so silently)."""
     embeddings = next((key for key, (name, _) in source.bert_names.items()
@@ -248,7 +221,7 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
     family, detected = detect_task(source)
     task = TASKS[task_name] if task_name else detected
     config = encoderstack_config(source, family, task)
-    expected = expected_tensors(config, task)
+    expected = expected_tensors(config, task.encoderstack_class)
     prefix = "" if task.name == "base" else "model."
     other_heads = {pair: other.name for other in TASKS.values() if other != task for pair in other.head_keys}
     names = {bert for bert, _ in source.bert_names.values()}
@@ -328,51 +301,17 @@ def write_safetensors(path: Path, source: TensorSource, mapped: dict) -> None:
                 out.write(tensor.reshape(-1).view(torch.uint8).numpy())  # the tensor's own buffer, no copy
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for chunk in iter(lambda: file.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_encoderstack_folder(folder: Path, source: Source, conversion: Plan) -> None:
     config = conversion.config
     config.architectures = [conversion.task.encoderstack_class]
     config.auto_map = dict(AUTO_MAP)
     config.save_pretrained(folder)
-    for module in (configuration_encoderstack, modeling_encoderstack):
-        shutil.copyfile(module.__file__, folder / Path(module.__file__).name)
+    copy_code_files(folder)
     write_safetensors(folder / "model.safetensors", source.tensors, conversion.mapped)
     if source.write_extras is not None:
         source.write_extras(folder)
     if source.copy_other_files:
         copy_other_files(source, folder)
-
-
-def copy_other_files(source: Source, folder: Path) -> None:
-    """Every file of the source that is not the checkpoint itself (tokenizer, sentence-transformers modules, ...).
-
-    A link that leads out of the source folder is refused: the output may be published, and a checkout can hold a
-    link to any file of the machine. (A Hub snapshot's files are links into the Hub cache, which is allowed.)"""
-    from huggingface_hub import constants
-
-    roots = [Path(os.path.realpath(path)) for path in (source.folder, constants.HF_HUB_CACHE)]
-
-    def copy_inside(item, destination):
-        real = Path(os.path.realpath(item))
-        if not any(root == real or root in real.parents for root in roots):
-            raise ConversionError(f"{item}: a link to {real}, outside the source folder; not copied (copy the "
-                                  "file into the folder to include it)")
-        shutil.copyfile(item, destination)
-
-    for item in sorted(source.folder.iterdir()):
-        if item.name in source.own_files or item.name.startswith(".") or (folder / item.name).exists():
-            continue
-        if item.is_dir():
-            shutil.copytree(item, folder / item.name, copy_function=copy_inside)
-        elif item.is_file():
-            copy_inside(item, folder / item.name)
 
 
 def convert(source_path, output_path, task: str | None = None, verify: bool = True, force: bool = False,
@@ -473,8 +412,7 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
         transformers.BertConfig(**bert_config, num_labels=config.num_labels,
                                 architectures=["Bert" + task.bert_suffix]).save_pretrained(partial)
         write_safetensors(partial / "model.safetensors", tensors, mapped)
-        skip = set(WEIGHT_FILE_NAMES) | {"config.json", "conversion.json", "configuration_encoderstack.py",
-                                         "modeling_encoderstack.py"}
+        skip = set(WEIGHT_FILE_NAMES) | {"config.json", "conversion.json", *CODE_FILES}
         copy_other_files(Source(folder, {}, tensors, {}, own_files=tuple(skip)), partial)
         record = {"encoderstack_version": __version__, "exported_from": str(encoderstack_path)}
         (partial / "export.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -1,17 +1,23 @@
 """Read a checkpoint's tensors one at a time, whatever file format holds them.
 
 safetensors first; a pickle checkpoint only through `torch.load(weights_only=True)`. Every reader raises
-`ConversionError` naming the file for a file it cannot read.
+`ConversionError` naming the file for a file it cannot read. A `Source` is what each dialect (a Hugging Face folder,
+Google's TensorFlow release in tensorflow.py) opens a checkpoint as.
 """
 
 import json
+import os
 import re
+import shutil
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..jsonfile import read_json_object
 from .keymap import ConversionError
 
 SAFETENSORS_DTYPES = {
@@ -177,3 +183,53 @@ def open_hf_weights(folder: Path) -> TensorSource | None:
 
 WEIGHT_FILE_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                      "pytorch_model.bin.index.json")
+
+
+@dataclass
+class Source:
+    """A checkpoint to convert: its folder, its config as a dict, its tensors, and how to name them in BERT terms."""
+
+    folder: Path
+    config: dict
+    tensors: TensorSource
+    bert_names: dict  # source key -> (Hugging Face BERT key, transpose?)
+    skipped: dict = field(default_factory=dict)  # source keys skipped before mapping (optimizer slots, ...)
+    own_files: tuple = ()  # files that make up the checkpoint itself, not copied to the output
+    copy_other_files: bool = True  # copy the folder's other files (tokenizer, modules, ...) as they are
+    notes: dict = field(default_factory=dict)  # choices made for this source, recorded in conversion.json
+    write_extras: Callable[[Path], None] | None = None  # e.g. a tokenizer built from a TF release's vocab.txt
+    reference: str = "source"  # verify against the source folder, or "google": Google's math over the tensors
+    config_file: str = "config.json"
+
+    @property
+    def config_path(self) -> Path:
+        return self.folder / self.config_file
+
+
+def read_config(folder: Path, name: str = "config.json") -> dict:
+    return read_json_object(folder / name, ConversionError)
+
+
+def copy_other_files(source: Source, folder: Path) -> None:
+    """Every file of the source that is not the checkpoint itself (tokenizer, sentence-transformers modules, ...).
+
+    A link that leads out of the source folder is refused: the output may be published, and a checkout can hold a
+    link to any file of the machine. (A Hub snapshot's files are links into the Hub cache, which is allowed.)"""
+    from huggingface_hub import constants
+
+    roots = [Path(os.path.realpath(path)) for path in (source.folder, constants.HF_HUB_CACHE)]
+
+    def copy_inside(item, destination):
+        real = Path(os.path.realpath(item))
+        if not any(root == real or root in real.parents for root in roots):
+            raise ConversionError(f"{item}: a link to {real}, outside the source folder; not copied (copy the "
+                                  "file into the folder to include it)")
+        shutil.copyfile(item, destination)
+
+    for item in sorted(source.folder.iterdir()):
+        if item.name in source.own_files or item.name.startswith(".") or (folder / item.name).exists():
+            continue
+        if item.is_dir():
+            shutil.copytree(item, folder / item.name, copy_function=copy_inside)
+        elif item.is_file():
+            copy_inside(item, folder / item.name)

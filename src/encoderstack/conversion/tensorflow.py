@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from .keymap import ConversionError
-from .sources import TensorSource
+from .sources import Source, TensorSource, read_config
 from .tf_checkpoint import TFCheckpoint, TFCheckpointError, find_checkpoint_prefix
 
 # Google's `gelu` is the tanh approximation; transformers' "gelu" is the exact erf form.
@@ -112,8 +112,6 @@ def check_vocab(vocab: Path, vocab_size) -> None:
 
 def open_tf_source(path: Path, gelu: str = "tanh", lowercase: bool | None = None):
     """A `Source` for a Google checkpoint folder or prefix; None if `path` is not a TensorFlow checkpoint."""
-    from .converter import Source, read_config
-
     prefix = find_checkpoint_prefix(path)
     if prefix is None:
         return None

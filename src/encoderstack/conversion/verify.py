@@ -6,6 +6,7 @@ import torch
 import transformers
 
 from .. import modeling_encoderstack
+from ..parity import real_tokens
 from .keymap import FAMILIES, ConversionError
 
 SENTENCES = [
@@ -59,18 +60,12 @@ def run(model, batches, backend) -> list[dict]:
     return results
 
 
-def real(tensor, mask):
-    """Real-token rows of a per-token tensor; sequence-level tensors as they are."""
-    if tensor.dim() >= 2 and tuple(tensor.shape[:2]) == tuple(mask.shape):
-        return tensor[mask]
-    return tensor
-
-
 def on_real_tokens(result: dict) -> dict[str, list[torch.Tensor]]:
     """Every output of one run, restricted to real tokens: name -> tensors (one per layer for the per-layer ones)."""
     out, mask = result["out"], result["mask"]
-    outputs = {name: [real(getattr(out, name), mask)] for name in OUTPUTS if getattr(out, name, None) is not None}
-    outputs["hidden_states"] = [real(h, mask) for h in out.hidden_states or ()]
+    outputs = {name: [real_tokens(getattr(out, name), mask)] for name in OUTPUTS
+               if getattr(out, name, None) is not None}
+    outputs["hidden_states"] = [real_tokens(h, mask) for h in out.hidden_states or ()]
     outputs["attentions"] = [a.transpose(1, 2)[mask] for a in out.attentions or ()]  # real queries, every key
     return {name: tensors for name, tensors in outputs.items() if tensors}
 

@@ -1,13 +1,12 @@
 """Why normalization placement matters, measured: per-layer diagnostics for any EncoderStack model, a synthetic
-masked-LM task to train on, and the report that puts them together (`encoderstack diagnose`); `--corpus` trains on
-real text instead, through the pre-training data path (`diagnostics.corpus`).
+masked-LM task to train on, and the report that puts them together (`encoderstack diagnose`, in commands/); `--corpus`
+trains on real text instead, through the pre-training data path (`diagnostics.corpus`).
 
 The measurements take a model and a batch (`input_ids`, optionally `attention_mask` / `token_type_ids` /
 `position_ids`, and `labels` for the masked-LM loss) and work on any EncoderStack model, a converted checkpoint
 included. The plots need matplotlib (`pip install 'encoderstack[diagnostics]'`).
 """
 
-from .command import add_diagnose_command, diagnose_command
 from .measure import (
     ResidualStreams,
     activation_rms_per_layer,
@@ -26,9 +25,7 @@ __all__ = [
     "SyntheticMLMTask",
     "TrainingRun",
     "activation_rms_per_layer",
-    "add_diagnose_command",
     "consecutive_layer_similarity",
-    "diagnose_command",
     "diagnostic_config",
     "divergence",
     "gradient_norms_per_layer",

@@ -13,9 +13,11 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.repocard import metadata_load
 
 from .. import modeling_encoderstack
+from ..checkpoint import has_tokenizer
 from ..configuration_encoderstack import PLACEMENT_EQUATIONS, EncoderStackConfig
 from ..jsonfile import read_json_object
 from ..modeling_encoderstack import AUTO_MAP
+from ..parity import parity_rows
 
 CARD_NAME = "README.md"
 # EncoderStack class -> (Hub pipeline tag, what it is). The Hub has no pipeline tag for multiple choice.
@@ -33,7 +35,6 @@ PLACEMENT_TAGS = {"post": "post-ln", "pre": "pre-ln", "sandwich": "sandwich-ln",
                   "resi_dual": "resi-dual"}
 # Facts about the weights, not about this particular folder: they hold for the converted model as for its source.
 CARRIED_METADATA = ("license", "license_name", "license_link", "language", "datasets", "metrics")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
 
 
 class HubError(ValueError):
@@ -111,12 +112,7 @@ def provenance(conversion: dict) -> dict:
               else f"in the local folder `{Path(conversion['source']).name}`")
     parity = conversion.get("parity")
     if parity is not None:
-        backends = list(parity["results"])
-        values = {}
-        for backend, results in parity["results"].items():
-            for row in results:
-                values.setdefault(row["output"], {})[backend] = row["max_abs_diff"]
-        rows = [(output, [f"{row[b]:.2e}" if b in row else "–" for b in backends]) for output, row in values.items()]
+        backends, rows = parity_rows(parity)
         parity = {**parity, "backends": backends, "rows": rows}
     return {**conversion, "source_shown": source, "parity": parity}
 
@@ -152,7 +148,7 @@ def build_card(folder, repo_id: str | None = None, extra_tags=()) -> ModelCard:
         class_name=class_name,
         auto_class=AUTO_CLASSES[class_name],
         architecture=architecture_rows(config, class_name),
-        has_tokenizer=any((folder / name).is_file() for name in TOKENIZER_FILES),
+        has_tokenizer=has_tokenizer(folder),
         conversion=provenance(conversion) if conversion is not None else None,
         finetune=read_conversion(folder, "finetune.json"),
         pretrain=read_conversion(folder, "pretrain.json"),

@@ -2,15 +2,15 @@
 
 import argparse
 import dataclasses
-import math
 import sys
 import time
 
 from ..configuration_encoderstack import NORM_PLACEMENTS
+from ..diagnostics.corpus import STDLIB
+from ..diagnostics.report import QUICK, ReportSettings, run_report
 from ..finetune import FinetuneError
 from ..output_folder import OutputFolderError
-from .corpus import STDLIB
-from .report import QUICK, ReportSettings, run_report
+from . import non_negative_int, positive_float, positive_int
 
 DEFAULT_OUTPUT = "encoderstack-diagnostics"
 
@@ -31,28 +31,6 @@ def placement_list(text: str) -> tuple[str, ...]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown placement {unknown[0]!r}; choose from {','.join(NORM_PLACEMENTS)}")
     return placements
-
-
-def positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
-def non_negative_int(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return int(text)
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
-    return value
 
 
 def model_width(text: str) -> int:
