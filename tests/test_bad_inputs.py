@@ -69,23 +69,45 @@ def test_heads_report_bad_inputs_the_same_way():
 
 
 WRONG_LABELS = [
-    (encoderstack.EncoderStackForMaskedLM, {"labels": (3, 11)},
-     r"`labels` has shape \(3, 11\), but the inputs need shape \(3, 9\)"),
-    (encoderstack.EncoderStackForTokenClassification, {"labels": (3, 8)}, r"`labels` has shape \(3, 8\), but the inputs"),
-    (encoderstack.EncoderStackForPreTraining, {"labels": (2, 9), "next_sentence_label": (3,)},
-     r"`labels` has shape \(2, 9\)"),
-    (encoderstack.EncoderStackForPreTraining, {"labels": (3, 9), "next_sentence_label": (4,)},
-     r"`next_sentence_label` has shape \(4,\), but the sequences need shape \(3,\)"),
-    (EncoderStackForSequenceClassification, {"labels": (4,)},
-     r"`labels` has shape \(4,\), but the sequences need shape \(3,\)"),
-    (encoderstack.EncoderStackForQuestionAnswering, {"start_positions": (2,), "end_positions": (2,)},
-     r"`start_positions/end_positions` has shape \(2,\), but the sequences need shape \(3,\)"),
+    (
+        encoderstack.EncoderStackForMaskedLM,
+        {"labels": (3, 11)},
+        r"`labels` has shape \(3, 11\), but the inputs need shape \(3, 9\)",
+    ),
+    (
+        encoderstack.EncoderStackForTokenClassification,
+        {"labels": (3, 8)},
+        r"`labels` has shape \(3, 8\), but the inputs",
+    ),
+    (
+        encoderstack.EncoderStackForPreTraining,
+        {"labels": (2, 9), "next_sentence_label": (3,)},
+        r"`labels` has shape \(2, 9\)",
+    ),
+    (
+        encoderstack.EncoderStackForPreTraining,
+        {"labels": (3, 9), "next_sentence_label": (4,)},
+        r"`next_sentence_label` has shape \(4,\), but the sequences need shape \(3,\)",
+    ),
+    (
+        EncoderStackForSequenceClassification,
+        {"labels": (4,)},
+        r"`labels` has shape \(4,\), but the sequences need shape \(3,\)",
+    ),
+    (
+        encoderstack.EncoderStackForQuestionAnswering,
+        {"start_positions": (2,), "end_positions": (2,)},
+        r"`start_positions/end_positions` has shape \(2,\), but the sequences need shape \(3,\)",
+    ),
 ]
 
 
 @pytest.mark.parametrize("padding_free", [True, False])
-@pytest.mark.parametrize(("model_class", "shapes", "message"), WRONG_LABELS,
-                         ids=lambda value: value.__name__ if isinstance(value, type) else None)
+@pytest.mark.parametrize(
+    ("model_class", "shapes", "message"),
+    WRONG_LABELS,
+    ids=lambda value: value.__name__ if isinstance(value, type) else None,
+)
 def test_labels_of_another_shape_than_the_inputs_are_refused_on_both_paths(model_class, shapes, message, padding_free):
     model = build(model_class)
     labels = {name: torch.zeros(shape, dtype=torch.long) for name, shape in shapes.items()}

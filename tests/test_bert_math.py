@@ -7,8 +7,15 @@ from transformers import BertConfig, BertModel
 
 from encoderstack import EncoderStackConfig, EncoderStackModel
 
-BERT = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-            max_position_embeddings=64, hidden_act="gelu")
+BERT = {
+    "vocab_size": 99,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 37,
+    "max_position_embeddings": 64,
+    "hidden_act": "gelu",
+}
 
 
 def copy_bert_into_encoderstack(bert: BertModel, ours: EncoderStackModel) -> None:
@@ -60,8 +67,9 @@ def test_post_ln_reproduces_bert_model_on_every_output(bert_pair, backend):
     with torch.no_grad():
         expected = bert(**inputs, output_hidden_states=True, output_attentions=backend == "eager")
         actual = ours(**inputs, output_hidden_states=True, output_attentions=backend == "eager")
-    torch.testing.assert_close(real(actual.last_hidden_state, mask), real(expected.last_hidden_state, mask),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        real(actual.last_hidden_state, mask), real(expected.last_hidden_state, mask), atol=1e-5, rtol=0
+    )
     torch.testing.assert_close(actual.pooler_output, expected.pooler_output, atol=1e-5, rtol=0)
     assert len(actual.hidden_states) == len(expected.hidden_states) == 3
     for a, e in zip(actual.hidden_states, expected.hidden_states):
@@ -70,8 +78,9 @@ def test_post_ln_reproduces_bert_model_on_every_output(bert_pair, backend):
         assert len(actual.attentions) == 2
         for a, e in zip(actual.attentions, expected.attentions):
             # queries of real tokens over every key: padded keys carry zero weight in both
-            torch.testing.assert_close(a.transpose(1, 2)[mask.bool()], e.transpose(1, 2)[mask.bool()],
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                a.transpose(1, 2)[mask.bool()], e.transpose(1, 2)[mask.bool()], atol=1e-5, rtol=0
+            )
 
 
 def test_post_ln_gradients_match_bert_after_one_backward_pass(bert_pair):
@@ -83,8 +92,10 @@ def test_post_ln_gradients_match_bert_after_one_backward_pass(bert_pair):
         out = model(**inputs)
         (real(out.last_hidden_state, mask).pow(2).sum() + out.pooler_output.sum()).backward()
     # to 1e-5 of each gradient's largest entry: a gradient's scale is the loss's, not O(1) like the outputs
-    for mine, theirs in ((ours.layers[0].attention.query, bert.encoder.layer[0].attention.self.query),
-                         (ours.embeddings.word_embeddings, bert.embeddings.word_embeddings),
-                         (ours.layers[1].mlp_residual.norm_out, bert.encoder.layer[1].output.LayerNorm)):
+    for mine, theirs in (
+        (ours.layers[0].attention.query, bert.encoder.layer[0].attention.self.query),
+        (ours.embeddings.word_embeddings, bert.embeddings.word_embeddings),
+        (ours.layers[1].mlp_residual.norm_out, bert.encoder.layer[1].output.LayerNorm),
+    ):
         scale = theirs.weight.grad.abs().max()
         torch.testing.assert_close(mine.weight.grad / scale, theirs.weight.grad / scale, atol=1e-5, rtol=0)

@@ -12,17 +12,34 @@ from encoderstack import EncoderStackConfig
 def test_every_bert_config_field_maps_onto_the_same_field():
     bert = BertConfig()
     ours = EncoderStackConfig()
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                 "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings",
-                 "type_vocab_size", "initializer_range", "layer_norm_eps", "pad_token_id", "classifier_dropout",
-                 "tie_word_embeddings"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "hidden_act",
+        "hidden_dropout_prob",
+        "attention_probs_dropout_prob",
+        "max_position_embeddings",
+        "type_vocab_size",
+        "initializer_range",
+        "layer_norm_eps",
+        "pad_token_id",
+        "classifier_dropout",
+        "tie_word_embeddings",
+    ):
         assert getattr(ours, name) == getattr(bert, name), name
 
 
 def test_the_defaults_are_bert_with_post_ln():
     config = EncoderStackConfig()
     assert (config.norm_placement, config.norm_type, config.embedding_norm, config.position_embedding_type) == (
-        "post", "layernorm", True, "absolute")
+        "post",
+        "layernorm",
+        True,
+        "absolute",
+    )
 
 
 def test_auto_config_builds_the_config_from_the_model_type():
@@ -32,8 +49,15 @@ def test_auto_config_builds_the_config_from_the_model_type():
 
 
 def test_a_config_survives_a_save_and_load(tmp_path):
-    config = EncoderStackConfig(norm_placement="resi_dual", norm_type="rmsnorm", position_embedding_type="rope",
-                                rope_theta=500.0, resi_dual_scale=0.5, hidden_act="swiglu", embedding_norm=False)
+    config = EncoderStackConfig(
+        norm_placement="resi_dual",
+        norm_type="rmsnorm",
+        position_embedding_type="rope",
+        rope_theta=500.0,
+        resi_dual_scale=0.5,
+        hidden_act="swiglu",
+        embedding_norm=False,
+    )
     config.save_pretrained(tmp_path)
     loaded = AutoConfig.from_pretrained(tmp_path)
     saved = {key: value for key, value in config.to_dict().items() if key != "_name_or_path"}
@@ -43,13 +67,20 @@ def test_a_config_survives_a_save_and_load(tmp_path):
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"hidden_size": 30, "num_attention_heads": 4}, "`hidden_size` (30) must be divisible by `num_attention_heads` (4)"),
-        ({"norm_placement": "middle"}, "Field 'norm_placement' expected one of ('post', 'pre', 'sandwich', 'deepnorm', "
-                                        "'resi_dual'), got middle"),
+        (
+            {"hidden_size": 30, "num_attention_heads": 4},
+            "`hidden_size` (30) must be divisible by `num_attention_heads` (4)",
+        ),
+        (
+            {"norm_placement": "middle"},
+            "Field 'norm_placement' expected one of ('post', 'pre', 'sandwich', 'deepnorm', 'resi_dual'), got middle",
+        ),
         ({"norm_type": "batchnorm"}, "Field 'norm_type' expected one of ('layernorm', 'rmsnorm'), got batchnorm"),
         ({"hidden_act": "sparkle"}, "Unknown `hidden_act` 'sparkle'"),
-        ({"position_embedding_type": "relative_key"}, "Field 'position_embedding_type' expected one of ('absolute', "
-                                                     "'sinusoidal', 'rope'), got relative_key"),
+        (
+            {"position_embedding_type": "relative_key"},
+            "Field 'position_embedding_type' expected one of ('absolute', 'sinusoidal', 'rope'), got relative_key",
+        ),
         ({"num_hidden_layers": 0}, "`num_hidden_layers` must be a positive integer, got 0"),
         ({"vocab_size": -5}, "`vocab_size` must be a positive integer, got -5"),
         ({"hidden_dropout_prob": 1.0}, "`hidden_dropout_prob` must lie in [0, 1), got 1.0"),
@@ -68,7 +99,8 @@ def test_an_impossible_config_is_rejected_with_a_clear_message(fields, message):
 def test_every_float_field_refuses_nan_and_infinities():
     float_fields = [field.name for field in dataclasses.fields(EncoderStackConfig) if "float" in str(field.type)]
     assert {"layer_norm_eps", "initializer_range", "rope_theta", "resi_dual_scale", "hidden_dropout_prob"} <= set(
-        float_fields)
+        float_fields
+    )
     for name in float_fields:
         for value in (float("nan"), float("inf"), float("-inf")):
             with pytest.raises(StrictDataclassClassValidationError, match=f"`{name}` must .*, got {value}"):

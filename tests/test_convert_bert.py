@@ -13,11 +13,22 @@ import encoderstack
 from encoderstack.conversion.keymap import TASKS
 
 SHAPES = {
-    "one-layer": dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=37),
-    "many-heads": dict(num_hidden_layers=2, hidden_size=48, num_attention_heads=12, intermediate_size=64),
-    "relu": dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=50, hidden_act="relu"),
-    "gelu_new": dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=37,
-                     hidden_act="gelu_new"),
+    "one-layer": {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 37},
+    "many-heads": {"num_hidden_layers": 2, "hidden_size": 48, "num_attention_heads": 12, "intermediate_size": 64},
+    "relu": {
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "intermediate_size": 50,
+        "hidden_act": "relu",
+    },
+    "gelu_new": {
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "intermediate_size": 37,
+        "hidden_act": "gelu_new",
+    },
 }
 ARCHITECTURES = [task.bert_suffix for task in TASKS.values()]
 
@@ -25,9 +36,15 @@ ARCHITECTURES = [task.bert_suffix for task in TASKS.values()]
 def bert_folder(folder, suffix="ForMaskedLM", family="Bert", shape="one-layer", seed=0, **extra):
     """A randomly initialized transformers model of that architecture, saved as a checkpoint folder."""
     config_class = transformers.MegatronBertConfig if family == "MegatronBert" else transformers.BertConfig
-    config = config_class(vocab_size=99, max_position_embeddings=64, type_vocab_size=2, **SHAPES[shape],
-                          id2label={0: "neg", 1: "neutral", 2: "pos"}, label2id={"neg": 0, "neutral": 1, "pos": 2},
-                          **extra)
+    config = config_class(
+        vocab_size=99,
+        max_position_embeddings=64,
+        type_vocab_size=2,
+        **SHAPES[shape],
+        id2label={0: "neg", 1: "neutral", 2: "pos"},
+        label2id={"neg": 0, "neutral": 1, "pos": 2},
+        **extra,
+    )
     if suffix in ("ForQuestionAnswering", "ForNextSentencePrediction"):
         config.num_labels = 2
     torch.manual_seed(seed)
@@ -64,8 +81,10 @@ def labels_for(suffix, batch):
         "ForNextSentencePrediction": {"labels": per_row},
         "ForSequenceClassification": {"labels": per_row},
         "ForTokenClassification": {"labels": per_token},
-        "ForQuestionAnswering": {"start_positions": torch.tensor([1, 0, 2, 9]),
-                                 "end_positions": torch.tensor([3, 5, 2, 9])},
+        "ForQuestionAnswering": {
+            "start_positions": torch.tensor([1, 0, 2, 9]),
+            "end_positions": torch.tensor([3, 5, 2, 9]),
+        },
         "ForMultipleChoice": {"labels": per_row},
     }[suffix]
 
@@ -82,8 +101,15 @@ def assert_same_loss(reference, converted, batch, suffix):
 
 
 def main_outputs(outputs):
-    names = ("last_hidden_state", "pooler_output", "logits", "prediction_logits", "seq_relationship_logits",
-             "start_logits", "end_logits")
+    names = (
+        "last_hidden_state",
+        "pooler_output",
+        "logits",
+        "prediction_logits",
+        "seq_relationship_logits",
+        "start_logits",
+        "end_logits",
+    )
     return {name: getattr(outputs, name) for name in names if getattr(outputs, name, None) is not None}
 
 
@@ -98,23 +124,27 @@ def assert_parity(reference, converted, suffix, backend):
     expected_main, actual_main = main_outputs(expected), main_outputs(actual)
     assert expected_main.keys() == actual_main.keys()
     for name in expected_main:
-        torch.testing.assert_close(real(actual_main[name], mask), real(expected_main[name], mask),
-                                   atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(
+            real(actual_main[name], mask), real(expected_main[name], mask), atol=1e-5, rtol=0, msg=name
+        )
     assert len(actual.hidden_states) == len(expected.hidden_states)
     for a, e in zip(actual.hidden_states, expected.hidden_states):
         torch.testing.assert_close(real(a, mask), real(e, mask), atol=1e-5, rtol=0)
     assert_same_loss(reference, converted, batch, suffix)
     if eager:
         for a, e in zip(actual.attentions, expected.attentions, strict=True):
-            torch.testing.assert_close(a.transpose(1, 2)[mask.bool()], e.transpose(1, 2)[mask.bool()],
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                a.transpose(1, 2)[mask.bool()], e.transpose(1, 2)[mask.bool()], atol=1e-5, rtol=0
+            )
     # One backward pass through the real-token outputs: the gradients agree too, to 1e-5 of their largest entry
     # (outputs are O(1), so 1e-5 absolute; a gradient's scale is the loss's, so it is normalized first).
     loss = lambda out: sum(real(v, mask).pow(2).sum() for v in main_outputs(out).values())  # noqa: E731
     loss(expected).backward()
     loss(actual).backward()
-    for ours, theirs in ((converted.get_input_embeddings(), reference.get_input_embeddings()),
-                         (converted.base_model.layers[0].attention.query, query_of(reference))):
+    for ours, theirs in (
+        (converted.get_input_embeddings(), reference.get_input_embeddings()),
+        (converted.base_model.layers[0].attention.query, query_of(reference)),
+    ):
         scale = theirs.weight.grad.abs().max()
         torch.testing.assert_close(ours.weight.grad / scale, theirs.weight.grad / scale, atol=1e-5, rtol=0)
 
@@ -178,10 +208,10 @@ def rewrite_weights(folder, rename=lambda key: key, fmt="safetensors", shards=1)
 
 LEGACY = lambda key: key.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")  # noqa: E731,E501
 FORMATS = {
-    "sharded-safetensors": dict(shards=3),
-    "pytorch_model.bin": dict(fmt="bin"),
-    "legacy-gamma-beta": dict(rename=LEGACY),
-    "legacy-gamma-beta-bin": dict(rename=LEGACY, fmt="bin"),
+    "sharded-safetensors": {"shards": 3},
+    "pytorch_model.bin": {"fmt": "bin"},
+    "legacy-gamma-beta": {"rename": LEGACY},
+    "legacy-gamma-beta-bin": {"rename": LEGACY, "fmt": "bin"},
 }
 
 
@@ -206,7 +236,8 @@ def test_base_model_keys_with_the_bert_prefix_convert_with_parity(tmp_path):
 def test_the_label_maps_and_problem_type_carry_over(tmp_path):
     source = bert_folder(tmp_path / "bert", "ForSequenceClassification", problem_type="multi_label_classification")
     config = encoderstack.EncoderStackForSequenceClassification.from_pretrained(
-        encoderstack.convert(source, tmp_path / "out")).config
+        encoderstack.convert(source, tmp_path / "out")
+    ).config
     assert config.id2label == {0: "neg", 1: "neutral", 2: "pos"}
     assert config.label2id == {"neg": 0, "neutral": 1, "pos": 2}
     assert config.problem_type == "multi_label_classification"
@@ -226,7 +257,9 @@ def test_a_task_override_keeps_the_encoder_and_reports_the_head_it_drops(tmp_pat
     folder = encoderstack.convert(source, tmp_path / "out", task="masked-lm")
     report = json.loads((folder / "conversion.json").read_text())
     assert report["encoderstack_class"] == "EncoderStackForMaskedLM"
-    assert report["skipped"]["cls.seq_relationship.weight"] == "head of task 'pretraining', not used by task 'masked-lm'"
+    assert (
+        report["skipped"]["cls.seq_relationship.weight"] == "head of task 'pretraining', not used by task 'masked-lm'"
+    )
     reference = transformers.BertForMaskedLM.from_pretrained(source).eval()
     assert_parity(reference, encoderstack.EncoderStackForMaskedLM.from_pretrained(folder).eval(), "ForMaskedLM", "sdpa")
 
@@ -251,7 +284,11 @@ def test_the_conversion_report_accounts_for_every_source_tensor(tmp_path):
     assert set(results) == {"eager", "sdpa"}
     assert all(row["max_abs_diff"] <= 1e-5 for rows in results.values() for row in rows)
     assert {row["output"] for row in results["eager"]} == {
-        "hidden_states", "attentions", "prediction_logits", "seq_relationship_logits"}
+        "hidden_states",
+        "attentions",
+        "prediction_logits",
+        "seq_relationship_logits",
+    }
 
 
 def test_the_output_folder_is_a_drop_in_replacement_for_the_source(tmp_path):
@@ -261,8 +298,16 @@ def test_the_output_folder_is_a_drop_in_replacement_for_the_source(tmp_path):
     (source / "1_Pooling" / "config.json").write_text("{}")
     folder = encoderstack.convert(source, tmp_path / "out")
     names = {path.name for path in folder.iterdir()}
-    assert names == {"config.json", "model.safetensors", "configuration_encoderstack.py", "modeling_encoderstack.py",
-                     "conversion.json", "README.md", "vocab.txt", "1_Pooling"}
+    assert names == {
+        "config.json",
+        "model.safetensors",
+        "configuration_encoderstack.py",
+        "modeling_encoderstack.py",
+        "conversion.json",
+        "README.md",
+        "vocab.txt",
+        "1_Pooling",
+    }
     assert (folder / "vocab.txt").read_text() == "[PAD]\n[UNK]\n"
     assert json.loads((folder / "config.json").read_text())["auto_map"] == encoderstack.AUTO_MAP
 
@@ -291,9 +336,16 @@ def test_export_bert_round_trip_gives_identical_tensors(tmp_path):
 
 
 def test_export_bert_refuses_a_placement_bert_cannot_express(tmp_path):
-    model = encoderstack.EncoderStackModel(encoderstack.EncoderStackConfig(
-        vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37,
-        norm_placement="sandwich"))
+    model = encoderstack.EncoderStackModel(
+        encoderstack.EncoderStackConfig(
+            vocab_size=99,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=37,
+            norm_placement="sandwich",
+        )
+    )
     model.save_pretrained(tmp_path / "sandwich")
     with pytest.raises(encoderstack.ConversionError, match="BERT cannot express norm_placement='sandwich'"):
         encoderstack.export_bert(tmp_path / "sandwich", tmp_path / "bert")

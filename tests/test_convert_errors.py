@@ -54,8 +54,12 @@ class NotATensor:
 def test_a_pickle_with_arbitrary_objects_is_refused_without_running_it(source, tmp_path):
     (source / "model.safetensors").unlink()
     torch.save({"bert.embeddings.word_embeddings.weight": NotATensor()}, source / "pytorch_model.bin")
-    assert_refused(source, tmp_path / "out", r"pytorch_model.bin: not a readable PyTorch checkpoint \(refused by torch.load\(weights_only=True\): "
-                   r"Unsupported global: GLOBAL test_convert_errors.NotATensor")
+    assert_refused(
+        source,
+        tmp_path / "out",
+        r"pytorch_model.bin: not a readable PyTorch checkpoint \(refused by torch.load\(weights_only=True\): "
+        r"Unsupported global: GLOBAL test_convert_errors.NotATensor",
+    )
 
 
 def test_a_missing_shard_is_refused(source, tmp_path):
@@ -73,9 +77,12 @@ def test_a_checkpoint_of_another_architecture_is_refused(tmp_path):
 def test_a_config_that_disagrees_with_the_tensor_shapes_is_refused(source, tmp_path):
     config = json.loads((source / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**config, "intermediate_size": 40}))
-    assert_refused(source, tmp_path / "out",
-                   r"tensor 'bert.encoder.layer.0.intermediate.dense.bias' has shape \[37\], "
-                   r"but 'model.layers.0.mlp.up.bias' needs \[40\] for this config")
+    assert_refused(
+        source,
+        tmp_path / "out",
+        r"tensor 'bert.encoder.layer.0.intermediate.dense.bias' has shape \[37\], "
+        r"but 'model.layers.0.mlp.up.bias' needs \[40\] for this config",
+    )
 
 
 def test_an_unknown_tensor_is_refused_by_name(source, tmp_path):
@@ -89,7 +96,9 @@ def test_a_missing_encoder_tensor_is_refused_by_name(source, tmp_path):
     state = load_file(source / "model.safetensors")
     del state["bert.encoder.layer.0.output.dense.bias"]
     save_file(state, source / "model.safetensors")
-    assert_refused(source, tmp_path / "out", r"missing tensors for EncoderStackForMaskedLM: model.layers.0.mlp.down.bias")
+    assert_refused(
+        source, tmp_path / "out", r"missing tensors for EncoderStackForMaskedLM: model.layers.0.mlp.down.bias"
+    )
 
 
 def test_an_unreadable_config_is_refused(source, tmp_path):
@@ -118,8 +127,12 @@ def test_a_parity_failure_fails_the_conversion_and_leaves_no_folder(source, tmp_
 
 def test_the_command_line_reports_an_expected_failure_in_one_line_without_a_traceback(source, tmp_path):
     (source / "config.json").write_text("{not json")
-    result = subprocess.run([sys.executable, "-m", "encoderstack", "convert", str(source), str(tmp_path / "out")],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "encoderstack", "convert", str(source), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert result.stderr.startswith("encoderstack: error: ") and "config.json: not readable JSON" in result.stderr
@@ -141,8 +154,13 @@ def set_config(folder, **changes):
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_a_weight_holding_nan_or_inf_is_refused_by_name_even_without_verification(source, tmp_path, value):
     set_tensor(source, "bert.encoder.layer.0.output.dense.bias", torch.full((32,), value))
-    assert_refused(source, tmp_path / "out", r"model.safetensors: tensor 'bert.encoder.layer.0.output.dense.bias' "
-                   r"holds NaN or infinite values", verify=False)
+    assert_refused(
+        source,
+        tmp_path / "out",
+        r"model.safetensors: tensor 'bert.encoder.layer.0.output.dense.bias' "
+        r"holds NaN or infinite values",
+        verify=False,
+    )
 
 
 def test_from_pretrained_refuses_a_bert_folder_with_a_nan_weight(source, tmp_path):
@@ -162,23 +180,33 @@ def test_nan_in_the_converted_model_s_outputs_fails_verification(source, tmp_pat
         save_file(state, path, metadata={"format": "pt"})
 
     monkeypatch.setattr(convert_module, "write_safetensors", nan_writer)
-    assert_refused(source, tmp_path / "out",
-                   r"\AEncoderStack \(eager\) output logits, hidden_states has NaN/inf "
-                   r"on real tokens\Z")
+    assert_refused(
+        source,
+        tmp_path / "out",
+        r"\AEncoderStack \(eager\) output logits, hidden_states has NaN/inf "
+        r"on real tokens\Z",
+    )
 
 
 def test_outputs_that_overflow_in_the_reference_fail_verification(source, tmp_path):
     set_tensor(source, "bert.embeddings.word_embeddings.weight", torch.full((99, 32), 3e38))  # finite, sums to inf
-    assert_refused(source, tmp_path / "out",
-                   r"\Athe reference BertForMaskedLM \(eager\) output logits, hidden_states, attentions has NaN/inf on "
-                   r"real tokens\Z")
+    assert_refused(
+        source,
+        tmp_path / "out",
+        r"\Athe reference BertForMaskedLM \(eager\) output logits, hidden_states, attentions has NaN/inf on "
+        r"real tokens\Z",
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
 def test_a_weight_stored_as_an_integer_is_refused_naming_file_key_and_dtype(source, tmp_path, dtype):
     set_tensor(source, "bert.encoder.layer.0.output.dense.bias", torch.ones(32, dtype=dtype))
-    assert_refused(source, tmp_path / "out", rf"model.safetensors: tensor 'bert.encoder.layer.0.output.dense.bias' "
-                   rf"is stored as {dtype}; a BERT weight is floating point")
+    assert_refused(
+        source,
+        tmp_path / "out",
+        rf"model.safetensors: tensor 'bert.encoder.layer.0.output.dense.bias' "
+        rf"is stored as {dtype}; a BERT weight is floating point",
+    )
 
 
 def test_a_classifier_with_zero_labels_is_refused(tmp_path):
@@ -218,13 +246,23 @@ def test_a_symlink_loop_inside_the_source_is_refused_in_one_line(source, tmp_pat
     assert_refused(source, tmp_path / "out", r"bert/(a|b|self|1_Pooling/up): a symlink loop")
 
 
-@pytest.mark.parametrize("weight_map", [["model-00001-of-00002.safetensors"], "model-00001-of-00002.safetensors",
-                                        {"bert.embeddings.word_embeddings.weight": 3}])
+@pytest.mark.parametrize(
+    "weight_map",
+    [
+        ["model-00001-of-00002.safetensors"],
+        "model-00001-of-00002.safetensors",
+        {"bert.embeddings.word_embeddings.weight": 3},
+    ],
+)
 def test_a_shard_index_whose_weight_map_is_not_an_object_of_file_names_is_refused(source, tmp_path, weight_map):
     rewrite_weights(source, shards=2)
     (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    assert_refused(source, tmp_path / "out", r"model.safetensors.index.json: weight_map must be an object of tensor "
-                   r"name -> shard file name")
+    assert_refused(
+        source,
+        tmp_path / "out",
+        r"model.safetensors.index.json: weight_map must be an object of tensor "
+        r"name -> shard file name",
+    )
 
 
 def test_a_stray_index_file_does_not_make_a_bert_folder_a_tensorflow_checkpoint(source, tmp_path):
@@ -251,8 +289,11 @@ def test_a_hostile_pickle_is_refused_naming_the_global_and_never_advising_weight
     with pytest.raises(ConversionError) as refused:
         encoderstack.convert(source, tmp_path / "out")
     message = str(refused.value)
-    assert re.search(r"pytorch_model.bin: not a readable PyTorch checkpoint \(refused by "
-                     r"torch.load\(weights_only=True\): .*GLOBAL (posix|os|nt)\.system", message), message
+    assert re.search(
+        r"pytorch_model.bin: not a readable PyTorch checkpoint \(refused by "
+        r"torch.load\(weights_only=True\): .*GLOBAL (posix|os|nt)\.system",
+        message,
+    ), message
     assert "weights_only=False" not in message and "`weights_only` set to `False`" not in message
     assert "\n" not in message
 
@@ -265,12 +306,15 @@ def test_a_non_finite_config_value_is_named_in_the_source_config(source, tmp_pat
 
 def test_an_unknown_architecture_names_the_config_file(source, tmp_path):
     set_config(source, architectures=["BertLMHeadModel"])
-    assert_refused(source, tmp_path / "out",
-                   rf"\A{re.escape(str(source / 'config.json'))}: architecture 'BertLMHeadModel' cannot be converted")
+    assert_refused(
+        source,
+        tmp_path / "out",
+        rf"\A{re.escape(str(source / 'config.json'))}: architecture 'BertLMHeadModel' cannot be converted",
+    )
 
 
 def test_a_tokenizer_with_ids_beyond_the_embeddings_is_refused(source, tmp_path):
-    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(150)] + "the quick".split()
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(150)] + ["the", "quick"]
     (tmp_path / "vocab.txt").write_text("\n".join(tokens))
     transformers.BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(source)
     assert_refused(source, tmp_path / "out", r"bert: the tokenizer gives token id 156, but vocab_size is 99")
@@ -279,5 +323,9 @@ def test_a_tokenizer_with_ids_beyond_the_embeddings_is_refused(source, tmp_path)
 def test_a_trained_decoder_that_config_json_says_is_tied_is_refused(tmp_path):
     source = bert_folder(tmp_path / "bert", "ForMaskedLM", tie_word_embeddings=False)
     set_config(source, tie_word_embeddings=True)
-    assert_refused(source, tmp_path / "out", r"model.safetensors: tensor 'cls.predictions.decoder.weight' differs from "
-                   r"'bert.embeddings.word_embeddings.weight', but .*bert/config.json says tie_word_embeddings=true")
+    assert_refused(
+        source,
+        tmp_path / "out",
+        r"model.safetensors: tensor 'cls.predictions.decoder.weight' differs from "
+        r"'bert.embeddings.word_embeddings.weight', but .*bert/config.json says tie_word_embeddings=true",
+    )

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from test_tf_checkpoint_reader import PREFIX, SHARD, index_entries, masked_crc, rewrite_entry
 
 import encoderstack
@@ -26,12 +25,16 @@ PRETRAINING = ["pretraining", "with_optimizer", "float16", "two_shards"]
 
 def reference(name):
     data = np.load(FIXTURES / name / "reference.npz")
-    inputs = {"input_ids": torch.from_numpy(data["input_ids"]).long(),
-              "token_type_ids": torch.from_numpy(data["token_type_ids"]).long(),
-              "attention_mask": torch.from_numpy(data["input_mask"]).long()}
-    return inputs, {key: torch.from_numpy(data[key]) for key in data.files if key not in ("input_ids",
-                                                                                          "token_type_ids",
-                                                                                          "input_mask")}
+    inputs = {
+        "input_ids": torch.from_numpy(data["input_ids"]).long(),
+        "token_type_ids": torch.from_numpy(data["token_type_ids"]).long(),
+        "attention_mask": torch.from_numpy(data["input_mask"]).long(),
+    }
+    return inputs, {
+        key: torch.from_numpy(data[key])
+        for key in data.files
+        if key not in ("input_ids", "token_type_ids", "input_mask")
+    }
 
 
 def outputs_of(folder, model_class, inputs):
@@ -75,7 +78,8 @@ def test_optimizer_slots_and_the_step_counter_are_skipped_and_listed(tmp_path):
     assert len(slots) == 2 * len(report["mapped"])  # Adam's two slots for every weight
     assert "global_step" in report["skipped"]
     assert set(report["skipped"]) | set(report["mapped"]) == set(
-        encoderstack.conversion.tf_checkpoint.TFCheckpoint(FIXTURES / "with_optimizer" / "bert_model.ckpt").names())
+        encoderstack.conversion.tf_checkpoint.TFCheckpoint(FIXTURES / "with_optimizer" / "bert_model.ckpt").names()
+    )
 
 
 def test_the_erf_flag_gives_transformers_historical_gelu_and_departs_from_tensorflow(tmp_path):
@@ -95,14 +99,18 @@ def test_the_default_gelu_is_the_tanh_approximation_and_is_recorded(tmp_path):
     assert "Google's original" in json.loads((folder / "conversion.json").read_text())["gelu"]
 
 
-@pytest.mark.parametrize("folder_name, flag, lower", [
-    ("uncased_L-2_H-32_A-4", None, True),
-    ("cased_L-2_H-32_A-4", None, False),
-    ("cased_L-2_H-32_A-4", True, True),
-    ("uncased_L-2_H-32_A-4", False, False),
-])
-def test_the_tokenizer_comes_from_vocab_txt_with_casing_from_the_folder_name_or_the_flag(folder_name, flag, lower,
-                                                                                         tmp_path):
+@pytest.mark.parametrize(
+    "folder_name, flag, lower",
+    [
+        ("uncased_L-2_H-32_A-4", None, True),
+        ("cased_L-2_H-32_A-4", None, False),
+        ("cased_L-2_H-32_A-4", True, True),
+        ("uncased_L-2_H-32_A-4", False, False),
+    ],
+)
+def test_the_tokenizer_comes_from_vocab_txt_with_casing_from_the_folder_name_or_the_flag(
+    folder_name, flag, lower, tmp_path
+):
     source = shutil.copytree(FIXTURES / "pretraining", tmp_path / folder_name)
     folder = encoderstack.convert(source, tmp_path / "out", lowercase=flag)
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -147,10 +155,13 @@ def test_a_missing_shard_is_refused_and_nothing_is_written(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bert"]
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("truncate-index", "bert_model.ckpt.index"),
-    ("flip-data", "checksum mismatch"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("truncate-index", "bert_model.ckpt.index"),
+        ("flip-data", "checksum mismatch"),
+    ],
+)
 def test_the_command_line_reports_a_damaged_checkpoint_in_one_line(damage, message, tmp_path):
     source = shutil.copytree(FIXTURES / "pretraining", tmp_path / "bert")
     if damage == "truncate-index":
@@ -161,8 +172,12 @@ def test_the_command_line_reports_a_damaged_checkpoint_in_one_line(damage, messa
         raw = bytearray(data.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
         data.write_bytes(bytes(raw))
-    result = subprocess.run([sys.executable, "-m", "encoderstack", "convert", str(source), str(tmp_path / "out")],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "encoderstack", "convert", str(source), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("encoderstack: error: ")
     assert message in result.stderr and "Traceback" not in result.stderr
@@ -178,8 +193,9 @@ def refused_copy(tmp_path, match):
 
 def overwrite_variable(prefix, name, values):
     """Replace a variable's bytes in the data shard, with a checksum that matches them."""
-    entry = next(tf_checkpoint._parse_entry(value, name)
-                 for key, value in index_entries(prefix) if key == name.encode())
+    entry = next(
+        tf_checkpoint._parse_entry(value, name) for key, value in index_entries(prefix) if key == name.encode()
+    )
     raw = np.ascontiguousarray(values, dtype=np.float32).tobytes()
     assert len(raw) == entry.size
     shard = prefix.parent / SHARD
@@ -193,16 +209,22 @@ def overwrite_variable(prefix, name, values):
 def test_a_variable_stored_as_an_integer_is_refused_naming_variable_and_dtype(dtype_code, dtype, tmp_path):
     prefix = shutil.copytree(FIXTURES / "pretraining", tmp_path / "bert") / PREFIX
     rewrite_entry(prefix, "bert/pooler/dense/bias", dtype=dtype_code)
-    refused_copy(tmp_path, rf"bert_model.ckpt.index: tensor 'bert/pooler/dense/bias' is stored as "
-                 rf"{dtype}; a BERT weight is floating point")
+    refused_copy(
+        tmp_path,
+        rf"bert_model.ckpt.index: tensor 'bert/pooler/dense/bias' is stored as "
+        rf"{dtype}; a BERT weight is floating point",
+    )
 
 
 @pytest.mark.parametrize("dims", [(), (0, 32), (3,)])
 def test_a_classifier_whose_output_weights_have_no_labels_or_the_wrong_rank_is_refused(dims, tmp_path):
     prefix = shutil.copytree(FIXTURES / "classifier", tmp_path / "bert") / PREFIX
     rewrite_entry(prefix, "output_weights", dims=dims)
-    refused_copy(tmp_path, rf"bert_model.ckpt.index: variable 'output_weights' has shape "
-                 rf"{re.escape(str(list(dims)))}; a classifier's is \[num_labels >= 1, hidden_size\]")
+    refused_copy(
+        tmp_path,
+        rf"bert_model.ckpt.index: variable 'output_weights' has shape "
+        rf"{re.escape(str(list(dims)))}; a classifier's is \[num_labels >= 1, hidden_size\]",
+    )
 
 
 def test_a_nan_weight_is_refused_by_name(tmp_path):
@@ -211,13 +233,19 @@ def test_a_nan_weight_is_refused_by_name(tmp_path):
     refused_copy(tmp_path, r"bert_model.ckpt.index: tensor 'bert/pooler/dense/bias' holds NaN")
 
 
-@pytest.mark.parametrize("vocab, message", [
-    (b"", r"empty; a BERT vocabulary lists one token a line"),
-    (bytes(range(256)) * 4, r"not UTF-8 text \(byte 128\)"),
-    (b"\0\1\2\n" * 10, r"not a BERT vocabulary \(10 lines, no \[PAD\]"),
-    ("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(80)]).encode(),
-     r"85 tokens, more than the checkpoint's vocab_size 80"),
-], ids=["empty", "binary", "control-characters", "larger-than-the-embeddings"])
+@pytest.mark.parametrize(
+    "vocab, message",
+    [
+        (b"", r"empty; a BERT vocabulary lists one token a line"),
+        (bytes(range(256)) * 4, r"not UTF-8 text \(byte 128\)"),
+        (b"\0\1\2\n" * 10, r"not a BERT vocabulary \(10 lines, no \[PAD\]"),
+        (
+            "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(80)]).encode(),
+            r"85 tokens, more than the checkpoint's vocab_size 80",
+        ),
+    ],
+    ids=["empty", "binary", "control-characters", "larger-than-the-embeddings"],
+)
 def test_a_vocab_txt_that_no_bert_tokenizer_could_use_is_refused(vocab, message, tmp_path):
     source = shutil.copytree(FIXTURES / "pretraining", tmp_path / "bert")
     (source / "vocab.txt").write_bytes(vocab)
@@ -229,8 +257,11 @@ def test_verification_catches_a_mapping_that_forgets_a_transpose(tmp_path, monke
     from encoderstack.conversion import tensorflow
 
     right = tensorflow.bert_name
-    monkeypatch.setattr(tensorflow, "bert_name", lambda name: (right(name)[0], False) if name.endswith(
-        "attention/output/dense/kernel") else right(name))
+    monkeypatch.setattr(
+        tensorflow,
+        "bert_name",
+        lambda name: (right(name)[0], False) if name.endswith("attention/output/dense/kernel") else right(name),
+    )
     with pytest.raises(encoderstack.ConversionError, match=r"parity above 1e-05 on .*hidden_states"):
         encoderstack.convert(FIXTURES / "pretraining", tmp_path / "out")
     assert list(tmp_path.iterdir()) == []

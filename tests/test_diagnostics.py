@@ -67,8 +67,18 @@ def diagnose(*argv) -> int:
 
 
 TINY_REPORT = ("--layers", "1,2", "--steps", "3", "--hidden-size", "16")
-TINY_CORPUS_REPORT = ("--layers", "1,2", "--placements", "post,deepnorm", "--steps", "3", "--hidden-size", "16",
-                      "--seed", "5")
+TINY_CORPUS_REPORT = (
+    "--layers",
+    "1,2",
+    "--placements",
+    "post,deepnorm",
+    "--steps",
+    "3",
+    "--hidden-size",
+    "16",
+    "--seed",
+    "5",
+)
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +148,9 @@ def test_the_last_streams_are_what_the_final_step_turns_into_the_model_output(pl
         assert streams.dual is None
     mask = inputs["attention_mask"]
     torch.testing.assert_close(real(final, mask), real(output, mask), rtol=1e-5, atol=1e-5)
-    assert set(activation_rms_per_layer(model, inputs)) == ({"hidden", "dual"} if placement == "resi_dual"
-                                                            else {"hidden"})
+    assert set(activation_rms_per_layer(model, inputs)) == (
+        {"hidden", "dual"} if placement == "resi_dual" else {"hidden"}
+    )
 
 
 def test_the_measurements_give_identical_numbers_for_the_same_seed():
@@ -148,8 +159,12 @@ def test_the_measurements_give_identical_numbers_for_the_same_seed():
 
     def measure():
         model = build_masked_lm(config, seed=3)
-        return (gradient_norms_per_layer(model, sample), activation_rms_per_layer(model, sample),
-                consecutive_layer_similarity(model, sample), train_synthetic_mlm(config, 5, 1e-3, 2, seed=3).losses)
+        return (
+            gradient_norms_per_layer(model, sample),
+            activation_rms_per_layer(model, sample),
+            consecutive_layer_similarity(model, sample),
+            train_synthetic_mlm(config, 5, 1e-3, 2, seed=3).losses,
+        )
 
     assert measure() == measure()
 
@@ -196,8 +211,16 @@ def test_a_training_run_that_produces_nan_stops_there_and_counts_as_diverged():
 
 def test_the_measurements_work_on_a_converted_bert_checkpoint(tmp_path):
     torch.manual_seed(0)
-    bert = BertForMaskedLM(BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=37, max_position_embeddings=64))
+    bert = BertForMaskedLM(
+        BertConfig(
+            vocab_size=99,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=37,
+            max_position_embeddings=64,
+        )
+    )
     bert.save_pretrained(tmp_path / "bert")
     model = encoderstack.EncoderStackForMaskedLM.from_pretrained(tmp_path / "bert")
     sample = SyntheticMLMTask().sample(4, torch.Generator().manual_seed(0))
@@ -265,8 +288,16 @@ def test_without_matplotlib_the_report_fails_with_how_to_install_it(tmp_path, mo
     assert not (tmp_path / "report").exists()
 
 
-@pytest.mark.parametrize("argv", [("--placements", "post,middle"), ("--layers", "6,0"), ("--steps", "-1"),
-                                  ("--hidden-size", "20"), ("--warmup-steps", "-1")])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--placements", "post,middle"),
+        ("--layers", "6,0"),
+        ("--steps", "-1"),
+        ("--hidden-size", "20"),
+        ("--warmup-steps", "-1"),
+    ],
+)
 def test_the_command_refuses_bad_options(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         diagnose(*argv)
@@ -291,28 +322,39 @@ def test_report_settings_refuse_a_learning_rate_that_is_not_a_positive_number(lr
         ReportSettings(lr=lr)
 
 
-def test_the_corpus_route_writes_the_report_with_its_corpus_token_counts_steps_sizes_warmup_and_seed(corpus_report,
-                                                                                                    text):
+def test_the_corpus_route_writes_the_report_with_its_corpus_token_counts_steps_sizes_warmup_and_seed(
+    corpus_report, text
+):
     record = json.loads((corpus_report / "results.json").read_text())
     index = (corpus_report / "index.md").read_text()
 
     data = record["data"]
     assert data["corpus"] == data["train"][0]["file"] == str(text) and len(data["train"][0]["sha256"]) == 64
     assert data["train_tokens"] > data["train_sequences"] > 0 and data["eval_masked_tokens"] > 0
-    assert record["settings"] | {"layers": [1, 2], "steps": 3, "hidden_size": 16, "warmup": 2, "seed": 5} == record[
-        "settings"]
+    assert (
+        record["settings"] | {"layers": [1, 2], "steps": 3, "hidden_size": 16, "warmup": 2, "seed": 5}
+        == record["settings"]
+    )
     assert record["wall_seconds"] > 0 and record["threads"] == 1
     results = record["results"]
-    assert {(r["placement"], r["num_layers"]) for r in results} == {(p, n) for p in ("post", "deepnorm")
-                                                                     for n in (1, 2)}
+    assert {(r["placement"], r["num_layers"]) for r in results} == {
+        (p, n) for p in ("post", "deepnorm") for n in (1, 2)
+    }
     for result in results:
         assert [len(result["losses"][key]) for key in ("warmup", "no_warmup")] == [3, 3]
         assert set(result["eval_loss"]) == {"init", "warmup", "no_warmup"}
         assert all(math.isfinite(loss) for loss in result["eval_loss"].values())
-    assert (f"encoderstack diagnose --layers 1,2 --placements post,deepnorm --steps 3 --hidden-size 16 --lr 0.001 "
-            f"--seed 5 --warmup-steps 2 --corpus {text}") in index
-    for fact in (f"{data['train_sequences']} sequences, {data['train_tokens']} tokens", "hidden size 16",
-                 "over the first 2 steps", "minutes of wall clock on one thread", "| eval loss at init |"):
+    assert (
+        f"encoderstack diagnose --layers 1,2 --placements post,deepnorm --steps 3 --hidden-size 16 --lr 0.001 "
+        f"--seed 5 --warmup-steps 2 --corpus {text}"
+    ) in index
+    for fact in (
+        f"{data['train_sequences']} sequences, {data['train_tokens']} tokens",
+        "hidden size 16",
+        "over the first 2 steps",
+        "minutes of wall clock on one thread",
+        "| eval loss at init |",
+    ):
         assert fact in index
     assert sorted(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", index)) == sorted(FIGURES)
     assert all((corpus_report / name).stat().st_size > 0 for name in FIGURES)
@@ -334,8 +376,13 @@ def test_the_corpus_route_trains_on_the_very_sequences_pretrain_trains_on(text, 
     train = transformers.Trainer.train
 
     def recording(trainer, *args, **kwargs):
-        seen.append((trainer.train_dataset.to_dict()["input_ids"], trainer.eval_dataset.to_dict()["input_ids"],
-                     trainer.eval_dataset.to_dict()["labels"]))
+        seen.append(
+            (
+                trainer.train_dataset.to_dict()["input_ids"],
+                trainer.eval_dataset.to_dict()["input_ids"],
+                trainer.eval_dataset.to_dict()["labels"],
+            )
+        )
         return train(trainer, *args, **kwargs)
 
     monkeypatch.setattr(transformers.Trainer, "train", recording)
@@ -349,10 +396,34 @@ def test_the_corpus_route_trains_on_the_very_sequences_pretrain_trains_on(text, 
         return tokenizers[key]
 
     monkeypatch.setattr(pretrain_module, "train_wordpiece", one_tokenizer_per_text)
-    record = pretrain(config=diagnostic_fields("post", 1, 16), train_tokenizer=corpus_route.VOCAB_SIZE, train=text,
-                      output=tmp_path / "pretrained", max_length=corpus_route.MAX_LENGTH, max_steps=1, seed=3)
-    assert diagnose("--layers", "1", "--placements", "post", "--steps", "1", "--hidden-size", "16", "--seed", "3",
-                    "--corpus", str(text), "--out", str(tmp_path / "report")) == 0
+    record = pretrain(
+        config=diagnostic_fields("post", 1, 16),
+        train_tokenizer=corpus_route.VOCAB_SIZE,
+        train=text,
+        output=tmp_path / "pretrained",
+        max_length=corpus_route.MAX_LENGTH,
+        max_steps=1,
+        seed=3,
+    )
+    assert (
+        diagnose(
+            "--layers",
+            "1",
+            "--placements",
+            "post",
+            "--steps",
+            "1",
+            "--hidden-size",
+            "16",
+            "--seed",
+            "3",
+            "--corpus",
+            str(text),
+            "--out",
+            str(tmp_path / "report"),
+        )
+        == 0
+    )
 
     pretrained, *diagnosed = seen
     assert len(tokenizers) == 1 and len(diagnosed) == 2 and all(run == pretrained for run in diagnosed)
@@ -368,8 +439,23 @@ def test_corpus_stdlib_is_pretrains_stdlib_corpus_built_at_run_time(tmp_path, mo
         return stdlib_corpus(path, max_bytes=12_000)
 
     monkeypatch.setattr(corpus_route, "stdlib_corpus", small_stdlib_corpus)
-    assert diagnose("--layers", "1", "--placements", "pre", "--steps", "1", "--hidden-size", "16", "--corpus", "stdlib",
-                    "--out", str(tmp_path / "report")) == 0
+    assert (
+        diagnose(
+            "--layers",
+            "1",
+            "--placements",
+            "pre",
+            "--steps",
+            "1",
+            "--hidden-size",
+            "16",
+            "--corpus",
+            "stdlib",
+            "--out",
+            str(tmp_path / "report"),
+        )
+        == 0
+    )
 
     data = json.loads((tmp_path / "report" / "results.json").read_text())["data"]
     assert len(built) == 1 and data["corpus"] == "stdlib"
@@ -378,12 +464,15 @@ def test_corpus_stdlib_is_pretrains_stdlib_corpus_built_at_run_time(tmp_path, mo
     assert "Python's standard-library docstrings" in (tmp_path / "report" / "index.md").read_text()
 
 
-@pytest.mark.parametrize("name, data, message", [
-    ("missing.txt", None, "missing.txt: no such file or folder"),
-    ("empty.txt", b"\n\n", "empty.txt: no text (the file is empty or blank)"),
-    ("notes.csv", b"a,b\n", "notes.csv: not a .txt or .jsonl file"),
-    ("bad.jsonl", b'{"text": "fine"}\n{"words": "no"}\n', "bad.jsonl: line 2: missing field 'text'"),
-])
+@pytest.mark.parametrize(
+    "name, data, message",
+    [
+        ("missing.txt", None, "missing.txt: no such file or folder"),
+        ("empty.txt", b"\n\n", "empty.txt: no text (the file is empty or blank)"),
+        ("notes.csv", b"a,b\n", "notes.csv: not a .txt or .jsonl file"),
+        ("bad.jsonl", b'{"text": "fine"}\n{"words": "no"}\n', "bad.jsonl: line 2: missing field 'text'"),
+    ],
+)
 def test_a_bad_corpus_is_refused_with_one_line_and_exit_2_leaving_nothing(name, data, message, tmp_path, capsys):
     corpus = tmp_path / "data" / name
     corpus.parent.mkdir()

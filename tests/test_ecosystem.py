@@ -21,14 +21,18 @@ def folders(tmp_path_factory, tokenizer):
     """One saved tiny checkpoint per pipeline head, each with the real WordPiece tokenizer."""
     root = tmp_path_factory.mktemp("heads")
     made = {}
-    for name, model_class in (("fill-mask", encoderstack.EncoderStackForMaskedLM),
-                              ("text-classification", encoderstack.EncoderStackForSequenceClassification),
-                              ("token-classification", encoderstack.EncoderStackForTokenClassification)):
+    for name, model_class in (
+        ("fill-mask", encoderstack.EncoderStackForMaskedLM),
+        ("text-classification", encoderstack.EncoderStackForSequenceClassification),
+        ("token-classification", encoderstack.EncoderStackForTokenClassification),
+    ):
         model = build(model_class, vocab_size=tokenizer.vocab_size)
         model.save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
         made[name] = root / name
     return made
+
+
 # (transformers v5 removed the question-answering pipeline; the QA head is exercised by the Trainer and
 # fine-tuning tests instead.)
 
@@ -43,27 +47,32 @@ def test_feature_extraction_pipeline_matches_the_bert_pipeline_on_the_converted_
 
 def test_fill_mask_pipeline_returns_ranked_tokens(folders):
     results = transformers.pipeline("fill-mask", model=str(folders["fill-mask"]), device="cpu")(
-        "Paris is the [MASK] of France.")
+        "Paris is the [MASK] of France."
+    )
     assert len(results) == 5 and results[0]["score"] >= results[-1]["score"]
 
 
 def test_text_classification_pipeline_returns_a_label_and_score(folders):
-    result = transformers.pipeline("text-classification", model=str(folders["text-classification"]),
-                                   device="cpu")("A fine day.")
+    result = transformers.pipeline("text-classification", model=str(folders["text-classification"]), device="cpu")(
+        "A fine day."
+    )
     assert result[0]["label"] in {"LABEL_0", "LABEL_1", "LABEL_2"} and 0 <= result[0]["score"] <= 1
 
 
 def test_token_classification_pipeline_tags_words(folders):
-    result = transformers.pipeline("token-classification", model=str(folders["token-classification"]),
-                                   device="cpu")("Ada Lovelace lived in London")
+    result = transformers.pipeline("token-classification", model=str(folders["token-classification"]), device="cpu")(
+        "Ada Lovelace lived in London"
+    )
     assert result and {"entity", "score", "word"} <= set(result[0])
 
 
 def test_lora_on_the_attention_projections_trains_saves_and_reloads(tmp_path):
     import peft
+
     base = build(encoderstack.EncoderStackForSequenceClassification)
-    model = peft.get_peft_model(base, peft.LoraConfig(target_modules=["query", "value"], r=4, lora_alpha=8,
-                                                      modules_to_save=["classifier"]))
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(target_modules=["query", "value"], r=4, lora_alpha=8, modules_to_save=["classifier"])
+    )
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in name or "classifier" in name for name in trainable)
     inputs = batch()
@@ -79,8 +88,9 @@ def test_lora_on_the_attention_projections_trains_saves_and_reloads(tmp_path):
     with torch.no_grad():
         expected = model(**inputs).logits
     model.save_pretrained(tmp_path / "adapter")
-    reloaded = peft.PeftModel.from_pretrained(build(encoderstack.EncoderStackForSequenceClassification),
-                                              tmp_path / "adapter").eval()
+    reloaded = peft.PeftModel.from_pretrained(
+        build(encoderstack.EncoderStackForSequenceClassification), tmp_path / "adapter"
+    ).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**inputs).logits, expected, atol=1e-6, rtol=0)
 
@@ -99,8 +109,11 @@ def test_a_device_map_never_splits_a_layer_across_devices():
 
     model = build(encoderstack.EncoderStackForMaskedLM, norm_placement="resi_dual", num_hidden_layers=6)
     layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
-    device_map = infer_auto_device_map(model, max_memory={"cpu": int(2.5 * layer_bytes), "disk": 10**9},
-                                       no_split_module_classes=model._no_split_modules)
+    device_map = infer_auto_device_map(
+        model,
+        max_memory={"cpu": int(2.5 * layer_bytes), "disk": 10**9},
+        no_split_module_classes=model._no_split_modules,
+    )
     assert set(device_map.values()) == {"cpu", "disk"}  # the budget forces a split somewhere
     assert not [key for key in device_map if ".layers." in key and key.count(".") > 2]  # ... between layers
 

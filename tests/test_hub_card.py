@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 from conftest import HEADS, build
-from huggingface_hub import ModelCard
 from hub_server import client_pointed_at, running_hub
+from huggingface_hub import ModelCard
 
 import encoderstack
 from encoderstack import HubError, build_card, write_card
@@ -53,8 +53,14 @@ def converted_once(tmp_path_factory):
     skipped, so the card has skipped tensors to list."""
     scratch = tmp_path_factory.mktemp("card")
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=37, max_position_embeddings=64)
+    config = transformers.BertConfig(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+    )
     transformers.BertForPreTraining(config).save_pretrained(scratch / "bert")
     (scratch / "bert" / "README.md").write_text(SOURCE_CARD)
     return encoderstack.convert(scratch / "bert", scratch / "tiny-encoderstack", task="masked-lm")
@@ -134,11 +140,21 @@ def cells(row: str) -> list[str]:
 
 def test_the_card_renders_its_headings_and_tables(converted):
     text = ModelCard.load(write_card(converted)).text
-    assert headings(text) == ["# tiny-encoderstack", "## Model details", "## How to load", "## Conversion",
-                              "### Parity", "## Intended uses and limitations"]
+    assert headings(text) == [
+        "# tiny-encoderstack",
+        "## Model details",
+        "## How to load",
+        "## Conversion",
+        "### Parity",
+        "## Intended uses and limitations",
+    ]
     found = tables(text)
-    assert [cells(block[0]) for block in found] == [["", ""], ["source file", "sha256"], ["skipped tensor", "reason"],
-                                                   ["output", "eager", "sdpa"]]
+    assert [cells(block[0]) for block in found] == [
+        ["", ""],
+        ["source file", "sha256"],
+        ["skipped tensor", "reason"],
+        ["output", "eager", "sdpa"],
+    ]
     for block in found:
         assert set(block[1]) == set("|-") and all(len(cells(row)) == len(cells(block[0])) for row in block)
     record = json.loads((converted / "conversion.json").read_text())

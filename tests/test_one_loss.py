@@ -24,10 +24,12 @@ CASES = {
     "masked-lm": Case("ForMaskedLM"),
     "pretraining": Case("ForPreTraining", uses_num_items=False),  # two losses, two item counts: per-batch means
     "regression": Case("ForSequenceClassification", (("num_labels", 1), ("problem_type", "regression"))),
-    "single-label": Case("ForSequenceClassification", (("num_labels", 3),
-                                                      ("problem_type", "single_label_classification"))),
-    "multi-label": Case("ForSequenceClassification", (("num_labels", 3),
-                                                     ("problem_type", "multi_label_classification"))),
+    "single-label": Case(
+        "ForSequenceClassification", (("num_labels", 3), ("problem_type", "single_label_classification"))
+    ),
+    "multi-label": Case(
+        "ForSequenceClassification", (("num_labels", 3), ("problem_type", "multi_label_classification"))
+    ),
     "token-classification": Case("ForTokenClassification", (("num_labels", 3),)),
     "question-answering": Case("ForQuestionAnswering", (("num_labels", 2),), uses_num_items=False),
     "multiple-choice": Case("ForMultipleChoice"),
@@ -36,9 +38,17 @@ CASES = {
 
 def models(case: Case, folder):
     """A tiny BERT of the case's architecture (every weight away from its init) and EncoderStack converted from it."""
-    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                     intermediate_size=37, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                                     attention_probs_dropout_prob=0.0, **dict(case.config))
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **dict(case.config),
+    )
     torch.manual_seed(0)
     bert = getattr(transformers, "Bert" + case.suffix)(config).eval()
     with torch.no_grad():
@@ -96,13 +106,13 @@ def at_padding_ignored(batch: dict) -> dict:
     return batch
 
 
-SAME = dict(atol=1e-6, rtol=1e-6)  # a few float32 ulps: the paths sum the same terms in another order
+SAME = {"atol": 1e-6, "rtol": 1e-6}  # a few float32 ulps: the paths sum the same terms in another order
 NUM_ITEMS = {None: None, "num_items_in_batch": torch.tensor(5)}
 PATHS = {
-    "padding-free": dict(padding_free=True),
-    "padded": dict(padding_free=False),
-    "hidden-states": dict(output_hidden_states=True),
-    "attentions": dict(output_attentions=True),
+    "padding-free": {"padding_free": True},
+    "padded": {"padding_free": False},
+    "hidden-states": {"output_hidden_states": True},
+    "attentions": {"output_attentions": True},
 }
 
 
@@ -144,5 +154,6 @@ def test_without_padding_every_loss_equals_berts(case, num_items, tmp_path):
     if items is not None and spec.uses_num_items:  # ours: the sum over this batch's items, divided by their count
         expected = expected * batch["labels"].numel() / items
     for path, flags in {"default": {}, **PATHS}.items():
-        torch.testing.assert_close(loss(model, batch, items, **flags), expected, atol=1e-5, rtol=0,
-                                   msg=f"{case} on the {path} path")
+        torch.testing.assert_close(
+            loss(model, batch, items, **flags), expected, atol=1e-5, rtol=0, msg=f"{case} on the {path} path"
+        )

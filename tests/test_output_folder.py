@@ -15,7 +15,6 @@ import textwrap
 import pytest
 from safetensors.torch import load_file
 from test_convert_bert import bert_folder, rewrite_weights
-from test_finetune import tiny  # noqa: F401  (fixture)
 
 import encoderstack
 from encoderstack import ConversionError, OutputFolderError
@@ -51,6 +50,7 @@ def refused_in_one_line(argv, capsys, match):
 
 # --- what --force replaces ---------------------------------------------------------------------------------------
 
+
 def test_an_existing_output_folder_is_never_touched_without_force(source, tmp_path):
     output = folder_with(tmp_path / "out", {"precious.txt": "keep me"})
     with pytest.raises(OutputFolderError, match="already exists; pass --force"):
@@ -84,8 +84,11 @@ def test_force_replaces_an_empty_folder(tmp_path):
 
 def test_force_refuses_a_folder_that_is_not_ours(source, tmp_path, capsys):
     output = folder_with(tmp_path / "out", {"precious.txt": "keep me", "config.json": "{}"})
-    refused_in_one_line(["convert", str(source), str(output), "--force"], capsys,
-                        "not replaced: encoderstack did not write it (it holds none of conversion.json")
+    refused_in_one_line(
+        ["convert", str(source), str(output), "--force"],
+        capsys,
+        "not replaced: encoderstack did not write it (it holds none of conversion.json",
+    )
     assert sorted(p.name for p in output.iterdir()) == ["config.json", "precious.txt"]
     assert hidden_leftovers(tmp_path) == []
 
@@ -117,8 +120,9 @@ def test_force_refuses_the_home_folder_and_every_folder_above_it(tmp_path, monke
 
 def test_force_refuses_a_file_at_the_output_path(source, tmp_path, capsys):
     (tmp_path / "out").write_text("a file")
-    refused_in_one_line(["convert", str(source), str(tmp_path / "out"), "--force"], capsys,
-                        "not replaced: it is a file, not a folder")
+    refused_in_one_line(
+        ["convert", str(source), str(tmp_path / "out"), "--force"], capsys, "not replaced: it is a file, not a folder"
+    )
     assert (tmp_path / "out").read_text() == "a file"
 
 
@@ -131,6 +135,7 @@ def test_force_refuses_a_link_at_the_output_path(tmp_path):
 
 
 # --- the inputs are never inside the output, nor the output inside them -----------------------------------------
+
 
 def test_a_source_inside_the_output_folder_is_refused_and_kept(tmp_path, monkeypatch, capsys):
     work = tmp_path / "work"
@@ -184,6 +189,7 @@ def test_an_input_file_inside_the_output_folder_is_refused(tmp_path):
 
 # --- an output path that cannot be written: one line, exit 2, nothing left behind --------------------------------
 
+
 def command_writing_to(name, output, source, tiny_model):
     return {
         "convert": ["convert", str(source), str(output)],
@@ -196,8 +202,11 @@ def command_writing_to(name, output, source, tiny_model):
 def test_an_output_whose_parent_is_a_file_is_refused_in_one_line(command, source, tiny, tmp_path, capsys):
     (tmp_path / "file").write_text("not a folder")
     output = tmp_path / "file" / "sub" / "out"
-    refused_in_one_line(command_writing_to(command, output, source, tiny), capsys,
-                        f"{output}: cannot be created: {tmp_path / 'file'} is a file, not a folder")
+    refused_in_one_line(
+        command_writing_to(command, output, source, tiny),
+        capsys,
+        f"{output}: cannot be created: {tmp_path / 'file'} is a file, not a folder",
+    )
     assert (tmp_path / "file").read_text() == "not a folder" and hidden_leftovers(tmp_path) == []
 
 
@@ -215,40 +224,47 @@ def immutable(tmp_path):
 @pytest.mark.parametrize("command", ["convert", "diagnose", "finetune"])
 def test_an_output_in_an_immutable_folder_is_refused_in_one_line(command, source, tiny, immutable, capsys):
     output = immutable / "sub" / "out"
-    refused_in_one_line(command_writing_to(command, output, source, tiny), capsys,
-                        f"{output}: cannot be created in {immutable}: Operation not permitted")
+    refused_in_one_line(
+        command_writing_to(command, output, source, tiny),
+        capsys,
+        f"{output}: cannot be created in {immutable}: Operation not permitted",
+    )
     assert list(immutable.iterdir()) == []
 
 
 def test_an_output_in_a_folder_that_refuses_new_entries_is_refused(source, tmp_path, monkeypatch, capsys):
     """Read-only or unwritable folders, simulated: the tests run as root, whom permission bits do not stop."""
+
     def refusing_mkdir(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(os, "mkdir", refusing_mkdir)
-    refused_in_one_line(["convert", str(source), str(tmp_path / "out")], capsys,
-                        f"cannot be created in {tmp_path}: Permission denied")
+    refused_in_one_line(
+        ["convert", str(source), str(tmp_path / "out")], capsys, f"cannot be created in {tmp_path}: Permission denied"
+    )
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bert"]
 
 
 def test_a_folder_that_appears_during_the_work_is_not_replaced_without_force(tmp_path):
-    with pytest.raises(OutputFolderError, match="already exists; pass --force"):
-        with OutputFolder(tmp_path / "out", force=False) as partial:
-            (partial / "result.txt").write_text("ours")
-            folder_with(tmp_path / "out", {"precious.txt": "made meanwhile"})
+    with (
+        pytest.raises(OutputFolderError, match="already exists; pass --force"),
+        OutputFolder(tmp_path / "out", force=False) as partial,
+    ):
+        (partial / "result.txt").write_text("ours")
+        folder_with(tmp_path / "out", {"precious.txt": "made meanwhile"})
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["precious.txt"]
 
 
 def test_parents_made_for_an_output_that_failed_are_removed(tmp_path):
-    with pytest.raises(RuntimeError):
-        with OutputFolder(tmp_path / "a" / "b" / "out", force=False):
-            raise RuntimeError("the work failed")
+    with pytest.raises(RuntimeError), OutputFolder(tmp_path / "a" / "b" / "out", force=False):
+        raise RuntimeError("the work failed")
     assert list(tmp_path.iterdir()) == []
 
 
 # --- signals, permissions ----------------------------------------------------------------------------------------
+
 
 def test_a_sigterm_during_the_write_leaves_no_partial_folder_and_lets_the_callers_cleanup_run(tmp_path):
     here, out = str(tmp_path), str(tmp_path / "out")
@@ -302,6 +318,7 @@ def test_the_published_folder_gets_the_users_umask(umask, mode, tmp_path):
 
 # --- nothing is read or copied from outside the source folder without saying so ---------------------------------
 
+
 @pytest.mark.parametrize("where", ["../outside.safetensors", "absolute"])
 def test_a_shard_index_naming_a_file_outside_the_folder_is_refused(where, source, tmp_path):
     rewrite_weights(source, shards=2)
@@ -309,8 +326,9 @@ def test_a_shard_index_naming_a_file_outside_the_folder_is_refused(where, source
     shutil.move(source / "model-00002-of-00002.safetensors", outside)  # a valid shard: reading it would work
     name = str(outside) if where == "absolute" else where
     index = json.loads((source / "model.safetensors.index.json").read_text())
-    index["weight_map"] = {key: name if file.startswith("model-00002") else file
-                           for key, file in index["weight_map"].items()}
+    index["weight_map"] = {
+        key: name if file.startswith("model-00002") else file for key, file in index["weight_map"].items()
+    }
     (source / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ConversionError, match=f"shard {name!r} lies outside the folder"):
         encoderstack.convert(source, tmp_path / "out")

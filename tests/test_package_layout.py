@@ -49,7 +49,7 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
     def visit(name):
         if name in path:
-            return path[path.index(name):] + [name]
+            return path[path.index(name) :] + [name]
         if name in done:
             return None
         path.append(name)

@@ -37,17 +37,23 @@ def flattened(seqs, route="position_ids"):
     if route in ("position_ids", "both"):
         row["position_ids"] = torch.cat([torch.arange(n) for n in lengths.tolist()])[None]
     if route in ("cu_seq_lens", "both"):
-        row.update(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=int(lengths.max()),
-                   max_length_k=int(lengths.max()))
+        row.update(
+            cu_seq_lens_q=cu_seq_lens,
+            cu_seq_lens_k=cu_seq_lens,
+            max_length_q=int(lengths.max()),
+            max_length_k=int(lengths.max()),
+        )
     return row
 
 
 def padded(seqs):
     """The same sequences as a right-padded batch."""
     width = max(len(s["input_ids"]) for s in seqs)
-    batch = {"input_ids": torch.zeros(len(seqs), width, dtype=torch.long),
-             "token_type_ids": torch.zeros(len(seqs), width, dtype=torch.long),
-             "attention_mask": torch.zeros(len(seqs), width, dtype=torch.long)}
+    batch = {
+        "input_ids": torch.zeros(len(seqs), width, dtype=torch.long),
+        "token_type_ids": torch.zeros(len(seqs), width, dtype=torch.long),
+        "attention_mask": torch.zeros(len(seqs), width, dtype=torch.long),
+    }
     for row, s in enumerate(seqs):
         n = len(s["input_ids"])
         batch["input_ids"][row, :n], batch["token_type_ids"][row, :n] = s["input_ids"], s["token_type_ids"]
@@ -65,9 +71,16 @@ def per_sequence_outputs(model, model_class, seqs, **kwargs):
     names = [name for name in PER_TOKEN + PER_SEQUENCE if getattr(alone[0], name, None) is not None]
     if model_class is encoderstack.EncoderStackForSequenceClassification:
         names.append("logits")
-    return {name: torch.cat([getattr(out, name) for out in alone], dim=0 if name in PER_SEQUENCE or (
-        name == "logits" and model_class is encoderstack.EncoderStackForSequenceClassification) else 1)
-        for name in dict.fromkeys(names)}
+    return {
+        name: torch.cat(
+            [getattr(out, name) for out in alone],
+            dim=0
+            if name in PER_SEQUENCE
+            or (name == "logits" and model_class is encoderstack.EncoderStackForSequenceClassification)
+            else 1,
+        )
+        for name in dict.fromkeys(names)
+    }
 
 
 def assert_matches_each_sequence_alone(model, model_class, row, seqs, **kwargs):
@@ -85,10 +98,15 @@ BACKENDS = ("eager", "sdpa", "flex_attention")
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("position_embedding_type", POSITION_TYPES)
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_a_flattened_row_gives_each_sequence_its_own_hidden_states_and_pooled_output(placement,
-                                                                                      position_embedding_type, backend):
-    model = build(EncoderStackModel, norm_placement=placement, position_embedding_type=position_embedding_type,
-                  attn_implementation=backend)
+def test_a_flattened_row_gives_each_sequence_its_own_hidden_states_and_pooled_output(
+    placement, position_embedding_type, backend
+):
+    model = build(
+        EncoderStackModel,
+        norm_placement=placement,
+        position_embedding_type=position_embedding_type,
+        attn_implementation=backend,
+    )
     seqs = sequences()
     assert_matches_each_sequence_alone(model, EncoderStackModel, flattened(seqs), seqs)
 
@@ -130,8 +148,10 @@ def test_the_padded_batch_and_the_flattened_row_agree_on_real_tokens(padding_fre
 def test_flattened_rows_across_a_batch_of_several_rows_are_split_at_every_row_start():
     model = build(encoderstack.EncoderStackForSequenceClassification)
     seqs = sequences((4, 4, 2, 6))
-    rows = {key: torch.stack([torch.cat([seqs[0][key], seqs[1][key]]), torch.cat([seqs[2][key], seqs[3][key]])])
-            for key in ("input_ids", "token_type_ids")}
+    rows = {
+        key: torch.stack([torch.cat([seqs[0][key], seqs[1][key]]), torch.cat([seqs[2][key], seqs[3][key]])])
+        for key in ("input_ids", "token_type_ids")
+    }
     rows["position_ids"] = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 0, 1, 2, 3, 4, 5]])
     assert_matches_each_sequence_alone(model, encoderstack.EncoderStackForSequenceClassification, rows, seqs)
 
@@ -143,8 +163,9 @@ def test_hidden_states_and_attention_maps_of_a_flattened_row_never_cross_a_seque
         recorded = model(**flattened(seqs), output_hidden_states=True, output_attentions=True)
         alone = [model(**{k: v[None] for k, v in s.items()}, output_hidden_states=True) for s in seqs]
     for layer, hidden in enumerate(recorded.hidden_states):
-        torch.testing.assert_close(hidden, torch.cat([out.hidden_states[layer] for out in alone], dim=1), atol=1e-5,
-                                   rtol=0)
+        torch.testing.assert_close(
+            hidden, torch.cat([out.hidden_states[layer] for out in alone], dim=1), atol=1e-5, rtol=0
+        )
     same_sequence = torch.block_diag(*[torch.ones(n, n) for n in LENGTHS]).bool()
     for weights in recorded.attentions:
         assert torch.equal(weights[..., ~same_sequence], torch.zeros_like(weights[..., ~same_sequence]))
@@ -177,8 +198,7 @@ def test_question_answering_on_flattened_rows_counts_positions_from_each_sequenc
 def test_multiple_choice_refuses_flattened_rows():
     model = build(encoderstack.EncoderStackForMultipleChoice)
     row = flattened(sequences((3, 3)))
-    choices = {key: value.view(1, 2, 3) if key != "position_ids" else value.view(1, 2, 3)
-               for key, value in row.items()}
+    choices = {key: value.view(1, 2, 3) if key != "position_ids" else value.view(1, 2, 3) for key, value in row.items()}
     choices["position_ids"] = torch.tensor([[[0, 1, 0], [1, 2, 0]]])
     with pytest.raises(ValueError, match="flattened sequences"):
         model(**choices)
@@ -209,10 +229,17 @@ def test_left_padding_with_position_ids_counted_from_the_first_real_token_is_a_p
     [
         ({"cu_seq_lens_q": torch.tensor([0, 5, 9], dtype=torch.int32)}, r"rising from 0 to the number of tokens \(8\)"),
         ({"cu_seq_lens_q": torch.tensor([0, 6, 3, 8], dtype=torch.int32)}, "rising from 0"),
-        ({"cu_seq_lens_q": torch.tensor([0, 3, 8], dtype=torch.int32),
-          "cu_seq_lens_k": torch.tensor([0, 4, 8], dtype=torch.int32)}, "must equal `cu_seq_lens_q`"),
-        ({"cu_seq_lens_q": torch.tensor([0, 3, 8], dtype=torch.int32), "max_length_q": 4},
-         "`max_length_q` is 4, but `cu_seq_lens_q` holds a sequence of 5 tokens"),
+        (
+            {
+                "cu_seq_lens_q": torch.tensor([0, 3, 8], dtype=torch.int32),
+                "cu_seq_lens_k": torch.tensor([0, 4, 8], dtype=torch.int32),
+            },
+            "must equal `cu_seq_lens_q`",
+        ),
+        (
+            {"cu_seq_lens_q": torch.tensor([0, 3, 8], dtype=torch.int32), "max_length_q": 4},
+            "`max_length_q` is 4, but `cu_seq_lens_q` holds a sequence of 5 tokens",
+        ),
     ],
     ids=["wrong total", "decreasing", "k differs", "max too small"],
 )
@@ -233,12 +260,22 @@ def reference_varlen(calls):
     """A CPU stand-in for a varlen kernel: records its arguments and attends within each sequence."""
 
     def varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=None):
-        calls.append({"cu_seq_q": cu_seq_q.clone(), "cu_seq_k": cu_seq_k.clone(), "max_q": max_q, "max_k": max_k,
-                      "shape": tuple(query.shape)})
+        calls.append(
+            {
+                "cu_seq_q": cu_seq_q.clone(),
+                "cu_seq_k": cu_seq_k.clone(),
+                "max_q": max_q,
+                "max_k": max_k,
+                "shape": tuple(query.shape),
+            }
+        )
         bounds = cu_seq_q.tolist()
-        out = [torch.nn.functional.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (query, key, value)),
-                                                                scale=scale).transpose(0, 1)
-               for a, b in zip(bounds, bounds[1:])]
+        out = [
+            torch.nn.functional.scaled_dot_product_attention(
+                *(x[a:b].transpose(0, 1) for x in (query, key, value)), scale=scale
+            ).transpose(0, 1)
+            for a, b in zip(bounds, bounds[1:])
+        ]
         return torch.cat(out)
 
     return varlen
@@ -273,8 +310,10 @@ def test_varlen_attn_is_not_chosen_when_attention_dropout_trains(monkeypatch):
     monkeypatch.setattr(modeling_encoderstack, "has_varlen_attn", lambda device, dtype: True)
     config = tiny_config(attention_probs_dropout_prob=0.1, attn_implementation="sdpa")
     assert modeling_encoderstack.varlen_attention(config, torch.device("cuda"), torch.bfloat16, training=True) is None
-    assert modeling_encoderstack.varlen_attention(config, torch.device("cuda"), torch.bfloat16, training=False) is \
-        modeling_encoderstack.sdpa_varlen_attention_forward
+    assert (
+        modeling_encoderstack.varlen_attention(config, torch.device("cuda"), torch.bfloat16, training=False)
+        is modeling_encoderstack.sdpa_varlen_attention_forward
+    )
 
 
 def test_without_a_varlen_kernel_off_the_cpu_the_padded_batch_runs_and_the_log_says_so(caplog):
@@ -297,8 +336,20 @@ def test_flash_attention_gets_the_packing_through_transformers_kwargs(route, mon
     calls = []
     varlen = reference_varlen(calls)
 
-    def flash_stand_in(module, query, key, value, attention_mask, cu_seq_lens_q=None, cu_seq_lens_k=None,
-                       max_length_q=None, max_length_k=None, scaling=None, dropout=0.0, **kwargs):
+    def flash_stand_in(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        cu_seq_lens_q=None,
+        cu_seq_lens_k=None,
+        max_length_q=None,
+        max_length_k=None,
+        scaling=None,
+        dropout=0.0,
+        **kwargs,
+    ):
         assert attention_mask is None and cu_seq_lens_q is not None and not module.is_causal
         q, k, v = (x.transpose(1, 2).squeeze(0) for x in (query, key, value))
         return varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scale=scaling)[None], None
@@ -333,8 +384,11 @@ def padded_features(examples):
     width = max(len(e["input_ids"]) for e in examples)
     ids = torch.tensor([e["input_ids"] + [0] * (width - len(e["input_ids"])) for e in examples])
     labels = torch.tensor([e["labels"] + [-100] * (width - len(e["labels"])) for e in examples])
-    return {"input_ids": ids, "attention_mask": (torch.arange(width) < torch.tensor(
-        [len(e["input_ids"]) for e in examples])[:, None]).long(), "labels": labels}
+    return {
+        "input_ids": ids,
+        "attention_mask": (torch.arange(width) < torch.tensor([len(e["input_ids"]) for e in examples])[:, None]).long(),
+        "labels": labels,
+    }
 
 
 def loss_and_grads(model, batch):
@@ -366,12 +420,26 @@ def test_trainer_with_the_flattening_collator_accumulates_exactly(tmp_path):
     weights = []
     for batch_size, accumulation in ((4, 1), (2, 2)):
         model = build(encoderstack.EncoderStackForMaskedLM).train()
-        args = TrainingArguments(output_dir=str(tmp_path / f"run{batch_size}"), per_device_train_batch_size=batch_size,
-                                 gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=1e-2,
-                                 lr_scheduler_type="constant", optim="sgd", report_to=[], use_cpu=True,
-                                 train_sampling_strategy="sequential", save_strategy="no", logging_strategy="no")
-        Trainer(model=model, args=args, train_dataset=examples,
-                data_collator=DataCollatorWithFlattening(return_flash_attn_kwargs=True)).train()
+        args = TrainingArguments(
+            output_dir=str(tmp_path / f"run{batch_size}"),
+            per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=accumulation,
+            max_steps=1,
+            learning_rate=1e-2,
+            lr_scheduler_type="constant",
+            optim="sgd",
+            report_to=[],
+            use_cpu=True,
+            train_sampling_strategy="sequential",
+            save_strategy="no",
+            logging_strategy="no",
+        )
+        Trainer(
+            model=model,
+            args=args,
+            train_dataset=examples,
+            data_collator=DataCollatorWithFlattening(return_flash_attn_kwargs=True),
+        ).train()
         weights.append({name: p.detach().clone() for name, p in model.named_parameters()})
     for name, value in weights[0].items():
         torch.testing.assert_close(weights[1][name], value, atol=1e-6, rtol=1e-5, msg=name)
@@ -385,6 +453,7 @@ def test_cu_seq_lens_over_several_rows_give_each_token_its_position_in_its_own_s
     with torch.no_grad():
         expected = per_sequence_outputs(model, EncoderStackModel, seqs)
         actual = model(**rows, cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens)
-    torch.testing.assert_close(actual.last_hidden_state.view(1, 16, -1), expected["last_hidden_state"], atol=1e-5,
-                               rtol=0)
+    torch.testing.assert_close(
+        actual.last_hidden_state.view(1, 16, -1), expected["last_hidden_state"], atol=1e-5, rtol=0
+    )
     torch.testing.assert_close(actual.pooler_output, expected["pooler_output"], atol=1e-5, rtol=0)

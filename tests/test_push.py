@@ -18,8 +18,8 @@ import pytest
 import torch
 import transformers
 from conftest import HEADS, PLACEMENTS, batch, build, first_output, head_inputs
-from huggingface_hub import HfApi, ModelCard
 from hub_server import TOKEN, client_environment, client_pointed_at, running_hub
+from huggingface_hub import HfApi, ModelCard
 
 import encoderstack
 from encoderstack import AUTO_MAP, HubError, push_folder, write_card
@@ -68,20 +68,35 @@ def pushed(hub, converted):
     with torch.no_grad():
         hidden = transformers.AutoModel.from_pretrained(converted).eval()(**encoded).last_hidden_state
     commit = push_folder(converted, CONVERTED_REPO)
-    return {"heads": heads, "converted": {"repo": CONVERTED_REPO, "sentences": SENTENCES, "encoded": encoded,
-                                          "expected": hidden}, "commit": commit}
+    return {
+        "heads": heads,
+        "converted": {"repo": CONVERTED_REPO, "sentences": SENTENCES, "encoded": encoded, "expected": hidden},
+        "commit": commit,
+    }
 
 
 def test_a_converted_checkpoint_is_published_in_one_commit_with_everything_it_needs(hub, pushed, converted):
     initial, commit = hub.commits(CONVERTED_REPO)
     assert commit.id == pushed["commit"].oid and initial.message == "initial commit"
     files = set(HfApi().list_repo_files(CONVERTED_REPO))
-    expected = {"config.json", "model.safetensors", "configuration_encoderstack.py", "modeling_encoderstack.py",
-                "tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json", "README.md",
-                "conversion.json", "modules.json", "1_Pooling/config.json"}
+    expected = {
+        "config.json",
+        "model.safetensors",
+        "configuration_encoderstack.py",
+        "modeling_encoderstack.py",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.txt",
+        "special_tokens_map.json",
+        "README.md",
+        "conversion.json",
+        "modules.json",
+        "1_Pooling/config.json",
+    }
     assert expected <= files
-    assert files - {".gitattributes"} == {path.relative_to(converted).as_posix()
-                                          for path in converted.rglob("*") if path.is_file()}
+    assert files - {".gitattributes"} == {
+        path.relative_to(converted).as_posix() for path in converted.rglob("*") if path.is_file()
+    }
     assert commit.files["model.safetensors"].lfs and not commit.files["config.json"].lfs  # LFS batch + base64
     assert json.loads(commit.files["config.json"].content)["auto_map"] == AUTO_MAP
     card = commit.files["README.md"].content.decode()
@@ -101,7 +116,8 @@ def test_push_to_hub_publishes_the_encoderstack_card_with_the_models_tags(hub):
     assert 'AutoModelForTokenClassification.from_pretrained("tester/tagged")' in card.text
     info = HfApi().model_info("tester/tagged")
     assert info.pipeline_tag == "token-classification" and "modeling_encoderstack.py" in {
-        sibling.rfilename for sibling in info.siblings}
+        sibling.rfilename for sibling in info.siblings
+    }
 
 
 REMOTE_LOAD = textwrap.dedent(
@@ -135,8 +151,12 @@ REMOTE_LOAD = textwrap.dedent(
 def test_every_pushed_model_loads_with_trust_remote_code_where_the_package_cannot_be_imported(hub, pushed, tmp_path):
     torch.save({"heads": pushed["heads"], "converted": pushed["converted"]}, tmp_path / "cases.pt")
     result = subprocess.run(
-        [sys.executable, "-c", REMOTE_LOAD, str(tmp_path / "cases.pt")], capture_output=True, text=True,
-        env={**os.environ, **client_environment(hub, tmp_path / "empty_hf_home")}, cwd=tmp_path, timeout=300,
+        [sys.executable, "-c", REMOTE_LOAD, str(tmp_path / "cases.pt")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **client_environment(hub, tmp_path / "empty_hf_home")},
+        cwd=tmp_path,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("loaded") == len(HEADS) + 1
@@ -226,13 +246,31 @@ def test_a_config_without_the_auto_map_is_pushed_with_the_full_one_and_an_edited
 def test_push_takes_the_token_branch_visibility_and_message_it_is_given(hub, tiny_folder, monkeypatch, capsys):
     monkeypatch.delenv("HF_TOKEN")
     sent_before = len(hub.requests)
-    assert main(["push", str(tiny_folder), "tester/options", "--private", "--revision", "dev",
-                 "--commit-message", "to dev", "--token", TOKEN]) == 0
+    assert (
+        main(
+            [
+                "push",
+                str(tiny_folder),
+                "tester/options",
+                "--private",
+                "--revision",
+                "dev",
+                "--commit-message",
+                "to dev",
+                "--token",
+                TOKEN,
+            ]
+        )
+        == 0
+    )
     assert "pushed" in capsys.readouterr().out
     repo = hub.repos["tester/options"]
     assert repo.private and repo.commit("dev").message == "to dev" and repo.commit("main").message == "initial commit"
-    assert all(request.authorized for request in hub.requests[sent_before:] if request.method == "POST"
-               and request.path != "/api/validate-yaml")
+    assert all(
+        request.authorized
+        for request in hub.requests[sent_before:]
+        if request.method == "POST" and request.path != "/api/validate-yaml"
+    )
 
 
 def test_a_push_the_hub_refuses_gives_one_line_and_leaves_no_commit(hub, tiny_folder, monkeypatch, capsys):
@@ -263,11 +301,23 @@ def refusing_endpoint():
 
 def test_an_unreachable_hub_gives_one_line_naming_the_endpoint(tiny_folder, refusing_endpoint, tmp_path):
     # A process of its own: huggingface_hub reads HF_ENDPOINT when it is first imported.
-    environment = {**os.environ, "HF_ENDPOINT": refusing_endpoint, "HF_HOME": str(tmp_path / "hf_home"),
-                   "HF_TOKEN": TOKEN, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1"}
-    result = subprocess.run([sys.executable, "-m", "encoderstack", "push", str(tiny_folder), "tester/unreachable"],
-                            capture_output=True, text=True, env=environment, timeout=300)
+    environment = {
+        **os.environ,
+        "HF_ENDPOINT": refusing_endpoint,
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_TOKEN": TOKEN,
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "encoderstack", "push", str(tiny_folder), "tester/unreachable"],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.startswith(f"encoderstack: error: tester/unreachable: not pushed: cannot reach the Hub at "
-                                    f"{refusing_endpoint} (")
+    assert result.stderr.startswith(
+        f"encoderstack: error: tester/unreachable: not pushed: cannot reach the Hub at {refusing_endpoint} ("
+    )
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1

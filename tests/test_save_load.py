@@ -44,8 +44,9 @@ def test_every_placement_round_trips_through_auto_model(placement, tmp_path):
     torch.testing.assert_close(outputs_of(loaded, model_class), outputs_of(model, model_class), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("model_class", [encoderstack.EncoderStackModel, encoderstack.EncoderStackForMaskedLM],
-                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "model_class", [encoderstack.EncoderStackModel, encoderstack.EncoderStackForMaskedLM], ids=lambda c: c.__name__
+)
 def test_from_pretrained_with_no_name_builds_the_model_from_a_config_and_a_state_dict(model_class):
     model = build(model_class, norm_placement="pre")
     loaded = model_class.from_pretrained(None, config=model.config, state_dict=model.state_dict()).eval()
@@ -56,8 +57,9 @@ def test_from_pretrained_with_no_name_builds_the_model_from_a_config_and_a_state
 
 
 def test_every_auto_class_resolves_to_its_encoderstack_head():
-    config = transformers.AutoConfig.for_model("encoderstack", num_hidden_layers=1, hidden_size=32,
-                                               num_attention_heads=4, intermediate_size=37, vocab_size=99)
+    config = transformers.AutoConfig.for_model(
+        "encoderstack", num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=37, vocab_size=99
+    )
     assert type(config) is encoderstack.EncoderStackConfig
     for auto_name, reference in AUTO_MAP.items():
         if auto_name != "AutoConfig":
@@ -116,7 +118,11 @@ def test_a_saved_checkpoint_loads_with_trust_remote_code_where_the_package_canno
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
         [sys.executable, "-c", REMOTE_LOAD, str(folder), auto_name, str(tmp_path / "expected.pt")],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"remote load ok {model_class.__name__}" in result.stdout

@@ -101,12 +101,19 @@ def encode_entry(entry) -> bytes:
     dims = b"".join(b"\x12" + varint(len(varint(d)) + 1) + b"\x08" + varint(d) for d in entry.dims or ())
     shape = b"\x18\x01" if entry.dims is None else dims
     return (
-        b"\x08" + varint(entry.dtype)
-        + b"\x12" + varint(len(shape)) + shape
-        + b"\x18" + varint(entry.shard_id)
-        + b"\x20" + varint(entry.offset)
-        + b"\x28" + varint(entry.size)
-        + b"\x35" + entry.masked_crc32c.to_bytes(4, "little")
+        b"\x08"
+        + varint(entry.dtype)
+        + b"\x12"
+        + varint(len(shape))
+        + shape
+        + b"\x18"
+        + varint(entry.shard_id)
+        + b"\x20"
+        + varint(entry.offset)
+        + b"\x28"
+        + varint(entry.size)
+        + b"\x35"
+        + entry.masked_crc32c.to_bytes(4, "little")
         + (b"\x3a\x00" if entry.partitioned else b"")
     )
 
@@ -344,9 +351,11 @@ def test_an_offset_past_the_end_of_the_shard_is_reported(tmp_path):
     prefix = copy_fixture("pretraining", tmp_path)
     shard_size = (prefix.parent / SHARD).stat().st_size
     rewrite_entry(prefix, "bert/pooler/dense/bias", offset=shard_size - 64)
-    with TFCheckpoint(prefix) as checkpoint:
-        with raises_checkpoint_error("'bert/pooler/dense/bias'", "outside data shard", f"{shard_size} bytes"):
-            checkpoint.get_tensor("bert/pooler/dense/bias")
+    with (
+        TFCheckpoint(prefix) as checkpoint,
+        raises_checkpoint_error("'bert/pooler/dense/bias'", "outside data shard", f"{shard_size} bytes"),
+    ):
+        checkpoint.get_tensor("bert/pooler/dense/bias")
 
 
 def test_a_negative_offset_is_reported(tmp_path):
@@ -400,9 +409,11 @@ def test_an_unknown_dtype_is_reported_only_when_the_variable_is_read(tmp_path):
 def test_a_size_that_does_not_match_the_shape_is_reported(tmp_path):
     prefix = copy_fixture("pretraining", tmp_path)
     rewrite_entry(prefix, "bert/pooler/dense/bias", size=64)
-    with TFCheckpoint(prefix) as checkpoint:
-        with raises_checkpoint_error("size 64 bytes does not match shape [32]", "128 bytes"):
-            checkpoint.get_tensor("bert/pooler/dense/bias")
+    with (
+        TFCheckpoint(prefix) as checkpoint,
+        raises_checkpoint_error("size 64 bytes does not match shape [32]", "128 bytes"),
+    ):
+        checkpoint.get_tensor("bert/pooler/dense/bias")
 
 
 @pytest.mark.parametrize(

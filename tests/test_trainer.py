@@ -12,8 +12,7 @@ HEAD_CASES = [
     (encoderstack.EncoderStackForPreTraining, {}, ["labels", "next_sentence_label"]),
     (encoderstack.EncoderStackForSequenceClassification, {}, ["labels"]),
     (encoderstack.EncoderStackForSequenceClassification, {"num_labels": 1, "problem_type": "regression"}, ["labels"]),
-    (encoderstack.EncoderStackForSequenceClassification, {"problem_type": "multi_label_classification"},
-     ["labels"]),
+    (encoderstack.EncoderStackForSequenceClassification, {"problem_type": "multi_label_classification"}, ["labels"]),
     (encoderstack.EncoderStackForTokenClassification, {}, ["labels"]),
     (encoderstack.EncoderStackForQuestionAnswering, {}, ["start_positions", "end_positions"]),
     (encoderstack.EncoderStackForMultipleChoice, {}, ["labels"]),
@@ -33,15 +32,27 @@ def rows(model_class, config):
 
 
 def arguments(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, per_device_eval_batch_size=4,
-                  num_train_epochs=2, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
-                  report_to=[], disable_tqdm=True, use_cpu=True, save_strategy="no", seed=0,
-                  train_sampling_strategy="sequential")
+    values = {
+        "output_dir": str(tmp_path),
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 4,
+        "num_train_epochs": 2,
+        "learning_rate": 0.05,
+        "optim": "sgd",
+        "lr_scheduler_type": "constant",
+        "report_to": [],
+        "disable_tqdm": True,
+        "use_cpu": True,
+        "save_strategy": "no",
+        "seed": 0,
+        "train_sampling_strategy": "sequential",
+    }
     values.update(overrides)
     return TrainingArguments(**values)
 
 
-ids = lambda case: case.__name__ if isinstance(case, type) else (case.get("problem_type", "") if isinstance(case, dict) else "")  # noqa: E501,E731
+def ids(case):
+    return case.__name__ if isinstance(case, type) else (case.get("problem_type", "") if isinstance(case, dict) else "")  # noqa: E501,E731
 
 
 @pytest.mark.parametrize("model_class, config, label_names", HEAD_CASES, ids=ids)
@@ -73,8 +84,9 @@ def test_resuming_from_a_checkpoint_reproduces_the_uninterrupted_run(tmp_path):
     Trainer(model=first, args=args, train_dataset=data).train()  # stops after half the run, checkpoint at step 4
     resumed = build(model_class, seed=99)  # other weights: everything must come from the checkpoint
     args = arguments(tmp_path / "split", num_train_epochs=4)
-    Trainer(model=resumed, args=args, train_dataset=data).train(resume_from_checkpoint=str(tmp_path / "split" /
-                                                                                             "checkpoint-4"))
+    Trainer(model=resumed, args=args, train_dataset=data).train(
+        resume_from_checkpoint=str(tmp_path / "split" / "checkpoint-4")
+    )
     expected = weights(whole)
     for name, value in weights(resumed).items():
         torch.testing.assert_close(value, expected[name], atol=1e-6, rtol=0, msg=name)
@@ -85,8 +97,7 @@ def test_activation_checkpointing_through_trainer_gives_the_same_weights(tmp_pat
     data = rows(model_class, {})
     plain, checkpointed = build(model_class), build(model_class)
     Trainer(model=plain, args=arguments(tmp_path / "a"), train_dataset=data).train()
-    Trainer(model=checkpointed, args=arguments(tmp_path / "b", gradient_checkpointing=True),
-            train_dataset=data).train()
+    Trainer(model=checkpointed, args=arguments(tmp_path / "b", gradient_checkpointing=True), train_dataset=data).train()
     expected = weights(plain)
     for name, value in weights(checkpointed).items():
         torch.testing.assert_close(value, expected[name], atol=1e-6, rtol=0, msg=name)
@@ -97,8 +108,9 @@ def test_trainer_with_torch_compile_trains_like_eager(tmp_path):
     data = rows(model_class, {})
     eager, compiled = build(model_class), build(model_class)
     Trainer(model=eager, args=arguments(tmp_path / "a", num_train_epochs=1), train_dataset=data).train()
-    Trainer(model=compiled, args=arguments(tmp_path / "b", num_train_epochs=1, torch_compile=True),
-            train_dataset=data).train()
+    Trainer(
+        model=compiled, args=arguments(tmp_path / "b", num_train_epochs=1, torch_compile=True), train_dataset=data
+    ).train()
     expected = weights(eager)
     for name, value in weights(compiled).items():
         torch.testing.assert_close(value, expected[name], atol=1e-5, rtol=0, msg=name)

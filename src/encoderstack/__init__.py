@@ -7,6 +7,10 @@ import transformers
 
 from . import modeling_encoderstack
 from .configuration_encoderstack import EncoderStackConfig
+from .conversion import ConversionError, convert, export_bert, load_converted
+from .export_onnx import ExportError, export_onnx
+from .hub import push_folder, push_model
+from .hub_card import HubError, build_card, write_card
 from .modeling_encoderstack import (
     AUTO_MAP,
     EncoderStackForMaskedLM,
@@ -18,10 +22,6 @@ from .modeling_encoderstack import (
     EncoderStackModel,
     EncoderStackPreTrainedModel,
 )
-from .conversion import ConversionError, convert, export_bert, load_converted
-from .export_onnx import ExportError, export_onnx
-from .hub import push_folder, push_model
-from .hub_card import HubError, build_card, write_card
 from .output_folder import OutputFolderError
 from .version import __version__
 

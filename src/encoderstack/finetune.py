@@ -24,8 +24,12 @@ from .output_folder import OutputFolder
 
 DATA = Path(__file__).parent / "data" / "sentiment"
 # Heads whose `classifier` weights another of them would load as its own when the shapes agree.
-CLASSIFIER_HEADS = ("EncoderStackForSequenceClassification", "EncoderStackForTokenClassification",
-                    "EncoderStackForQuestionAnswering", "EncoderStackForMultipleChoice")
+CLASSIFIER_HEADS = (
+    "EncoderStackForSequenceClassification",
+    "EncoderStackForTokenClassification",
+    "EncoderStackForQuestionAnswering",
+    "EncoderStackForMultipleChoice",
+)
 
 
 class FinetuneError(ValueError):
@@ -67,8 +71,10 @@ def read_rows(path) -> list[dict]:
         rows = [{**row, "_row": number} for number, row in enumerate(csv.DictReader(text.splitlines()), start=2)]
         for row in rows:
             if None in row:  # csv's key for fields beyond the header's
-                raise DataError(f"{path}: row {row['_row']}: more fields than the header has ({len(row[None])} "
-                                f"extra; is a comma inside an unquoted field?)")
+                raise DataError(
+                    f"{path}: row {row['_row']}: more fields than the header has ({len(row[None])} "
+                    f"extra; is a comma inside an unquoted field?)"
+                )
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
@@ -95,9 +101,17 @@ def is_offset(value) -> bool:
 
 
 TEXT, WORDS = (is_text, "a string"), (is_words, "a list of strings")
-COLUMN_TYPES = {"text": TEXT, "text_pair": TEXT, "question": TEXT, "context": TEXT, "answer": TEXT,
-                "label": (is_label, "a string or an integer"), "tokens": WORDS, "tags": WORDS,
-                "answer_start": (is_offset, "a character offset (an integer, 0 or more)")}
+COLUMN_TYPES = {
+    "text": TEXT,
+    "text_pair": TEXT,
+    "question": TEXT,
+    "context": TEXT,
+    "answer": TEXT,
+    "label": (is_label, "a string or an integer"),
+    "tokens": WORDS,
+    "tags": WORDS,
+    "answer_start": (is_offset, "a character offset (an integer, 0 or more)"),
+}
 
 
 def require(rows, path, columns, optional=()) -> None:
@@ -138,19 +152,23 @@ class Task:
         """Every row's features; `positions` (the model's learned position embeddings) caps their length."""
         encoded = []
         for row in rows:
-            features = getattr(self, "_encode_" + self.name.replace("-", "_"))(row, path, tokenizer, label2id,
-                                                                                max_length)
+            features = getattr(self, "_encode_" + self.name.replace("-", "_"))(
+                row, path, tokenizer, label2id, max_length
+            )
             if positions is not None and len(features["input_ids"]) > positions:
-                raise DataError(f"{path}: row {row['_row']}: {len(features['input_ids'])} tokens, more than the "
-                                f"model's {positions} positions (max_position_embeddings); use a max_length of at "
-                                f"most {positions}")
+                raise DataError(
+                    f"{path}: row {row['_row']}: {len(features['input_ids'])} tokens, more than the "
+                    f"model's {positions} positions (max_position_embeddings); use a max_length of at "
+                    f"most {positions}"
+                )
             encoded.append(features)
         return encoded
 
     def _label_id(self, label, row, path, label2id):
         if str(label) not in label2id:
-            raise DataError(f"{path}: row {row['_row']}: unknown label {label!r} (training labels: "
-                            f"{', '.join(label2id)})")
+            raise DataError(
+                f"{path}: row {row['_row']}: unknown label {label!r} (training labels: {', '.join(label2id)})"
+            )
         return label2id[str(label)]
 
     def _encode_text_classification(self, row, path, tokenizer, label2id, max_length):
@@ -165,8 +183,7 @@ class Task:
         features = tokenizer(tokens, is_split_into_words=True, truncation=True, max_length=max_length)
         previous, labels = None, []
         for word in features.word_ids():  # label the first piece of each word; -100 elsewhere
-            labels.append(-100 if word is None or word == previous else
-                          self._label_id(tags[word], row, path, label2id))
+            labels.append(-100 if word is None or word == previous else self._label_id(tags[word], row, path, label2id))
             previous = word
         return {**features, "labels": labels}
 
@@ -175,8 +192,9 @@ class Task:
         start = int(row["answer_start"]) if row.get("answer_start") not in (None, "") else context.find(answer)
         if start < 0 or context[start : start + len(answer)] != answer:
             raise DataError(f"{path}: row {row['_row']}: the answer {answer!r} is not in the context")
-        features = tokenizer(str(row["question"]), context, truncation="only_second", max_length=max_length,
-                             return_offsets_mapping=True)
+        features = tokenizer(
+            str(row["question"]), context, truncation="only_second", max_length=max_length, return_offsets_mapping=True
+        )
         offsets, sequence = features.pop("offset_mapping"), features.sequence_ids()
         in_context = [i for i, s in enumerate(sequence) if s == 1]
         end = start + len(answer)
@@ -204,12 +222,23 @@ class Task:
 
 
 TASKS = {
-    "text-classification": Task("text-classification", "EncoderStackForSequenceClassification",
-                                ("text", "label"), "accuracy", optional=("text_pair",)),
-    "token-classification": Task("token-classification", "EncoderStackForTokenClassification",
-                                 ("tokens", "tags"), "f1"),
-    "question-answering": Task("question-answering", "EncoderStackForQuestionAnswering",
-                               ("question", "context", "answer"), "exact_match", optional=("answer_start",)),
+    "text-classification": Task(
+        "text-classification",
+        "EncoderStackForSequenceClassification",
+        ("text", "label"),
+        "accuracy",
+        optional=("text_pair",),
+    ),
+    "token-classification": Task(
+        "token-classification", "EncoderStackForTokenClassification", ("tokens", "tags"), "f1"
+    ),
+    "question-answering": Task(
+        "question-answering",
+        "EncoderStackForQuestionAnswering",
+        ("question", "context", "answer"),
+        "exact_match",
+        optional=("answer_start",),
+    ),
 }
 
 
@@ -225,12 +254,20 @@ def collator(task: Task, tokenizer, packing: bool = False):
 
 def scores(evaluation: dict) -> dict:
     timings = ("runtime", "samples_per_second", "steps_per_second", "model_preparation_time")
-    return {k.removeprefix("eval_"): v for k, v in evaluation.items()
-            if k.startswith("eval_") and k.removeprefix("eval_") not in timings}
+    return {
+        k.removeprefix("eval_"): v
+        for k, v in evaluation.items()
+        if k.startswith("eval_") and k.removeprefix("eval_") not in timings
+    }
 
 
-def plot_losses(log_history: list[dict], path: Path, title: str = "Fine-tuning loss", eval_key: str = "eval_loss",
-                learning_rate: bool = False) -> None:
+def plot_losses(
+    log_history: list[dict],
+    path: Path,
+    title: str = "Fine-tuning loss",
+    eval_key: str = "eval_loss",
+    learning_rate: bool = False,
+) -> None:
     """Training and evaluation loss against steps, and with `learning_rate` the schedule on a second axis."""
     import matplotlib
 
@@ -260,8 +297,11 @@ def check_settings(epochs, batch_size, learning_rate, max_length, seed, gradient
     for name, value in (("epochs", epochs), ("learning_rate", learning_rate)):
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
             raise FinetuneError(f"{name} must be a positive finite number, got {value!r}")
-    for name, value in (("batch_size", batch_size), ("max_length", max_length),
-                        ("gradient_accumulation_steps", gradient_accumulation_steps)):
+    for name, value in (
+        ("batch_size", batch_size),
+        ("max_length", max_length),
+        ("gradient_accumulation_steps", gradient_accumulation_steps),
+    ):
         if not (is_integer(value) and value > 0):
             raise FinetuneError(f"{name} must be a positive integer, got {value!r}")
     if not (is_integer(seed) and 0 <= seed < 2**32):
@@ -275,11 +315,14 @@ def model_config(model) -> dict:
         raise FinetuneError(f"{folder}: no such model folder")
     config = read_json_object(folder / "config.json", FinetuneError)
     if config.get("model_type") != "encoderstack" and config.get("model_type") not in FAMILIES:
-        raise FinetuneError(f"{folder / 'config.json'}: model_type {config.get('model_type')!r} is not an "
-                            f"EncoderStack or BERT model")
+        raise FinetuneError(
+            f"{folder / 'config.json'}: model_type {config.get('model_type')!r} is not an EncoderStack or BERT model"
+        )
     if not has_tokenizer(folder):
-        raise FinetuneError(f"{folder}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); fine-tuning takes the "
-                            f"tokenizer from the model folder")
+        raise FinetuneError(
+            f"{folder}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); fine-tuning takes the "
+            f"tokenizer from the model folder"
+        )
     return config
 
 
@@ -300,15 +343,19 @@ def training_labels(config, model, spec: Task, labels: list[str]) -> list[str]:
     refused: its `classifier` weights would become the new head's whenever the shapes agree."""
     head = head_class(config, Path(model) / "config.json")
     if head in CLASSIFIER_HEADS and head != spec.model_class:
-        raise FinetuneError(f"{Path(model) / 'config.json'}: the folder holds an {head} head; fine-tuning it for "
-                            f"{spec.name} would start from that head's weights (start from a base or masked-LM model)")
+        raise FinetuneError(
+            f"{Path(model) / 'config.json'}: the folder holds an {head} head; fine-tuning it for "
+            f"{spec.name} would start from that head's weights (start from a base or masked-LM model)"
+        )
     if head != spec.model_class or not labels:
         return labels
     id2label = config.get("id2label") or {i: f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
     trained = [str(id2label[key]) for key in sorted(id2label, key=int)]
     if sorted(trained) != labels:
-        raise FinetuneError(f"{Path(model) / 'config.json'}: its {head} head was trained for the labels "
-                            f"{', '.join(trained)}; the training data has {', '.join(labels)}")
+        raise FinetuneError(
+            f"{Path(model) / 'config.json'}: its {head} head was trained for the labels "
+            f"{', '.join(trained)}; the training data has {', '.join(labels)}"
+        )
     return trained
 
 
@@ -318,14 +365,29 @@ def load_tokenizer(model, config):
     except (OSError, ValueError) as error:
         raise FinetuneError(f"{model}: the tokenizer does not load ({' '.join(str(error).split())})") from None
     if len(tokenizer) > config.get("vocab_size", len(tokenizer)):
-        raise FinetuneError(f"{model}: the tokenizer has {len(tokenizer)} tokens but the model only "
-                            f"{config['vocab_size']} embeddings (vocab_size in config.json)")
+        raise FinetuneError(
+            f"{model}: the tokenizer has {len(tokenizer)} tokens but the model only "
+            f"{config['vocab_size']} embeddings (vocab_size in config.json)"
+        )
     return tokenizer
 
 
-def finetune(model, output, task="text-classification", train=DATA / "train.csv", eval=None,
-             epochs=3.0, batch_size=16, learning_rate=1e-4, max_length=128, seed=42,
-             gradient_accumulation_steps=1, force=False, packing=False, **training_args) -> dict:
+def finetune(
+    model,
+    output,
+    task="text-classification",
+    train=DATA / "train.csv",
+    eval=None,
+    epochs=3.0,
+    batch_size=16,
+    learning_rate=1e-4,
+    max_length=128,
+    seed=42,
+    gradient_accumulation_steps=1,
+    force=False,
+    packing=False,
+    **training_args,
+) -> dict:
     """Fine-tune `model` (an EncoderStack or BERT folder) on `train`, keep the best checkpoint by `eval`, and
     write it to `output` with its tokenizer, `finetune.json` (data, settings, metrics) and `loss.png`. `eval`
     defaults to the shipped held-out set only when `train` is the shipped training set.
@@ -341,8 +403,10 @@ def finetune(model, output, task="text-classification", train=DATA / "train.csv"
     if task not in TASKS:
         raise FinetuneError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
     if packing and task != "token-classification":
-        raise FinetuneError(f"packing flattens each batch into one row with token labels only; {task} needs "
-                            "per-sequence labels or span positions the flattening collator does not carry")
+        raise FinetuneError(
+            f"packing flattens each batch into one row with token labels only; {task} needs "
+            "per-sequence labels or span positions the flattening collator does not carry"
+        )
     if eval is None:
         if Path(train) != DATA / "train.csv":  # scoring your data's model on the shipped reviews would look plausible
             raise FinetuneError(f"{train}: no evaluation data given for it (eval, --eval)")
@@ -372,47 +436,106 @@ def finetune(model, output, task="text-classification", train=DATA / "train.csv"
     try:
         args = transformers.TrainingArguments(
             output_dir=str(checkpoints),
-            num_train_epochs=epochs, per_device_train_batch_size=batch_size, per_device_eval_batch_size=batch_size,
-            learning_rate=learning_rate, warmup_steps=0.1, weight_decay=0.01, seed=seed,
-            gradient_accumulation_steps=gradient_accumulation_steps, eval_strategy="epoch", save_strategy="epoch",
-            load_best_model_at_end=True, metric_for_best_model=spec.metric, save_total_limit=1,
+            num_train_epochs=epochs,
+            per_device_train_batch_size=batch_size,
+            per_device_eval_batch_size=batch_size,
+            learning_rate=learning_rate,
+            warmup_steps=0.1,
+            weight_decay=0.01,
+            seed=seed,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            eval_strategy="epoch",
+            save_strategy="epoch",
+            load_best_model_at_end=True,
+            metric_for_best_model=spec.metric,
+            save_total_limit=1,
             train_sampling_strategy="sequential",
-            logging_steps=max(1, math.ceil(len(train_set) / batch_size / 4)), report_to=[],
-            use_cpu=not torch.cuda.is_available(), **training_args,
+            logging_steps=max(1, math.ceil(len(train_set) / batch_size / 4)),
+            report_to=[],
+            use_cpu=not torch.cuda.is_available(),
+            **training_args,
         )
     except ValueError as error:  # an optimizer name, a precision this machine lacks, ...
         raise FinetuneError(f"training settings: {' '.join(str(error).split())}") from None
     transformers.set_seed(seed)
-    label_config = {"num_labels": len(labels), "id2label": dict(enumerate(labels)), "label2id": label2id} if labels else {}
+    label_config = (
+        {"num_labels": len(labels), "id2label": dict(enumerate(labels)), "label2id": label2id} if labels else {}
+    )
     try:
         network = getattr(encoderstack, spec.model_class).from_pretrained(model, **label_config)
-        return train_and_save(network, tokenizer, args, spec, train_set, eval_set, destination, {
-            "task": task, "base_model": str(model), "train": str(train), "eval": str(eval),
-            "train_rows": len(train_set), "eval_rows": len(eval_set), "labels": labels,
-            "settings": {"epochs": epochs, "batch_size": batch_size, "learning_rate": learning_rate,
-                         "gradient_accumulation_steps": gradient_accumulation_steps, "max_length": max_length,
-                         "seed": seed, "world_size": args.world_size, "packing": packing},
-        }, packing)
+        return train_and_save(
+            network,
+            tokenizer,
+            args,
+            spec,
+            train_set,
+            eval_set,
+            destination,
+            {
+                "task": task,
+                "base_model": str(model),
+                "train": str(train),
+                "eval": str(eval),
+                "train_rows": len(train_set),
+                "eval_rows": len(eval_set),
+                "labels": labels,
+                "settings": {
+                    "epochs": epochs,
+                    "batch_size": batch_size,
+                    "learning_rate": learning_rate,
+                    "gradient_accumulation_steps": gradient_accumulation_steps,
+                    "max_length": max_length,
+                    "seed": seed,
+                    "world_size": args.world_size,
+                    "packing": packing,
+                },
+            },
+            packing,
+        )
     finally:  # the best checkpoint is in `output` by now, or the run failed: either way the rest is scratch
         if args.should_save:
             shutil.rmtree(checkpoints, ignore_errors=True)
 
 
-def train_and_save(network, tokenizer, args, spec: Task, train_set, eval_set, destination: OutputFolder,
-                   record: dict, packing: bool = False) -> dict:
-    trainer = transformers.Trainer(model=network, args=args, train_dataset=train_set, eval_dataset=eval_set,
-                                   data_collator=collator(spec, tokenizer, packing), compute_metrics=spec.metrics)
+def train_and_save(
+    network,
+    tokenizer,
+    args,
+    spec: Task,
+    train_set,
+    eval_set,
+    destination: OutputFolder,
+    record: dict,
+    packing: bool = False,
+) -> dict:
+    trainer = transformers.Trainer(
+        model=network,
+        args=args,
+        train_dataset=train_set,
+        eval_dataset=eval_set,
+        data_collator=collator(spec, tokenizer, packing),
+        compute_metrics=spec.metrics,
+    )
     # The starting point is scored after training, on a copy: under DDP (transformers 5.24) a Trainer.evaluate()
     # before train() changes what the processes then train (measured: 3e-2 off the one-process weights).
     baseline = copy.deepcopy(network)
     trainer.train()
     history = list(trainer.state.log_history)
     after = trainer.evaluate()  # the best checkpoint, reloaded by load_best_model_at_end
-    before = transformers.Trainer(model=baseline, args=args, eval_dataset=eval_set,
-                                  data_collator=collator(spec, tokenizer, packing), compute_metrics=spec.metrics).evaluate()
+    before = transformers.Trainer(
+        model=baseline,
+        args=args,
+        eval_dataset=eval_set,
+        data_collator=collator(spec, tokenizer, packing),
+        compute_metrics=spec.metrics,
+    ).evaluate()
     del baseline
-    record = {**record, "before": scores(before), "after": scores(after),
-              "best_checkpoint_step": int(Path(trainer.state.best_model_checkpoint).name.split("-")[-1])}
+    record = {
+        **record,
+        "before": scores(before),
+        "after": scores(after),
+        "best_checkpoint_step": int(Path(trainer.state.best_model_checkpoint).name.split("-")[-1]),
+    }
     if trainer.is_world_process_zero():
         with destination as folder:
             trainer.save_model(folder)

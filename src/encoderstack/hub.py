@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from .checkpoint import CODE_FILES, expected_tensors
 from .hub_card import CARD_NAME, HubError, build_card, read_folder_config, write_card
-from .modeling_encoderstack import AUTO_MAP, EncoderStackPreTrainedModel
+from .modeling_encoderstack import AUTO_MAP
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -44,7 +44,7 @@ def weight_problems(folder: Path, config, class_name: str) -> list[str]:
     for shard in shards:
         try:
             with safe_open(folder / shard, framework="pt") as weights:
-                shapes.update({key: tuple(weights.get_slice(key).get_shape()) for key in weights.keys()})
+                shapes.update({key: tuple(weights.get_slice(key).get_shape()) for key in weights})
         except (OSError, SafetensorError) as error:
             return [f"{shard}: not a readable safetensors file ({error})"]
     expected = expected_tensors(config, class_name)
@@ -68,8 +68,10 @@ def card_problem(folder: Path) -> str | None:
     except (yaml.YAMLError, ValueError, TypeError) as error:  # broken YAML, or metadata ModelCardData refuses
         return f"{CARD_NAME}: metadata not readable ({error})"
     if card.data.library_name != "transformers" or "encoderstack" not in (card.data.tags or []):
-        return (f"{CARD_NAME}: not an EncoderStack card (its metadata needs `library_name: transformers` and the tag "
-                f"`encoderstack`; `encoderstack card {folder}` writes one)")
+        return (
+            f"{CARD_NAME}: not an EncoderStack card (its metadata needs `library_name: transformers` and the tag "
+            f"`encoderstack`; `encoderstack card {folder}` writes one)"
+        )
     return None
 
 
@@ -82,8 +84,11 @@ def check_folder(folder) -> None:
         problems += weight_problems(folder, config, class_name)
     except HubError as error:
         problems.append(str(error))
-    problems += [f"{name}: missing (`trust_remote_code=True` loads the model from it)"
-                 for name in CODE_FILES if not (folder / name).is_file()]
+    problems += [
+        f"{name}: missing (`trust_remote_code=True` loads the model from it)"
+        for name in CODE_FILES
+        if not (folder / name).is_file()
+    ]
     problems += [problem for problem in [card_problem(folder)] if problem]
     if problems:
         raise HubError(f"{folder}: not pushed (nothing was sent): " + "; ".join(problems))
@@ -106,9 +111,17 @@ def commit_operations(folder: Path, card: ModelCard | None) -> list[CommitOperat
     return operations
 
 
-def push_folder(folder, repo_id: str, private: bool | None = False, revision: str | None = None,
-                commit_message: str | None = None, token: str | None = None, *, commit_description: str | None = None,
-                create_pr: bool = False):
+def push_folder(
+    folder,
+    repo_id: str,
+    private: bool | None = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    token: str | None = None,
+    *,
+    commit_description: str | None = None,
+    create_pr: bool = False,
+):
     """Publish an EncoderStack folder as the Hub repository `repo_id` (created if missing), in one commit: weights,
     config (with the full auto_map), the two code files, the tokenizer and the card, and anything else in the folder.
     `revision` is a branch, created if missing. Returns the commit's `CommitInfo` (a str: the commit URL).
@@ -136,15 +149,24 @@ def push_folder(folder, repo_id: str, private: bool | None = False, revision: st
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision is not None and not revision.startswith("refs/pr/"):
             api.create_branch(repo_id, branch=revision, exist_ok=True)
-        return api.create_commit(repo_id, operations, commit_message=commit_message or f"Upload {folder.name}",
-                                 commit_description=commit_description, revision=revision, create_pr=create_pr)
+        return api.create_commit(
+            repo_id,
+            operations,
+            commit_message=commit_message or f"Upload {folder.name}",
+            commit_description=commit_description,
+            revision=revision,
+            create_pr=create_pr,
+        )
 
 
 def transport_errors() -> tuple[type[Exception], ...]:
     """Errors of a request that got no answer: huggingface_hub 1.x sends through httpx, 2.x through httpx2 (whichever
     it imported), and offline mode raises a ConnectionError."""
-    return (ConnectionError, TimeoutError,
-            *(sys.modules[name].RequestError for name in ("httpx", "httpx2") if name in sys.modules))
+    return (
+        ConnectionError,
+        TimeoutError,
+        *(sys.modules[name].RequestError for name in ("httpx", "httpx2") if name in sys.modules),
+    )
 
 
 @contextmanager
@@ -157,17 +179,34 @@ def refusals_reported(repo_id: str, endpoint: str):
         raise HubError(f"{repo_id}: not pushed: cannot reach the Hub at {endpoint} ({error})") from None
 
 
-def push_model(model, repo_id: str, *, commit_message: str | None = None, commit_description: str | None = None,
-               private: bool | None = None, token: str | None = None, revision: str | None = None,
-               create_pr: bool = False, max_shard_size="50GB", tags=None):
+def push_model(
+    model,
+    repo_id: str,
+    *,
+    commit_message: str | None = None,
+    commit_description: str | None = None,
+    private: bool | None = None,
+    token: str | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
+    max_shard_size="50GB",
+    tags=None,
+):
     """`push_to_hub` of every EncoderStack class: save, write the EncoderStack card, check, push in one commit."""
     tags = [tags] if isinstance(tags, str) else list(tags or [])
     with tempfile.TemporaryDirectory(prefix="encoderstack-push-") as folder:
         model.save_pretrained(folder, max_shard_size=max_shard_size)
         write_card(folder, repo_id, extra_tags=[*(model.model_tags or []), *tags])
-        return push_folder(folder, repo_id, private=private, revision=revision, token=token,
-                           commit_message=commit_message or f"Upload {type(model).__name__}",
-                           commit_description=commit_description, create_pr=create_pr)
+        return push_folder(
+            folder,
+            repo_id,
+            private=private,
+            revision=revision,
+            token=token,
+            commit_message=commit_message or f"Upload {type(model).__name__}",
+            commit_description=commit_description,
+            create_pr=create_pr,
+        )
 
 
 __all__ = ["CODE_FILES", "check_folder", "push_folder", "push_model"]

@@ -99,8 +99,9 @@ class OutputFolder:
         if _identity(source) in _above(self.path):
             raise OutputFolderError(f"{self.path}: the output folder must lie outside the source folder {source}")
         if output is not None and output in _above(source):
-            raise OutputFolderError(f"{self.path}: the source {source} lies inside the output folder; "
-                                    "replacing the folder would delete it")
+            raise OutputFolderError(
+                f"{self.path}: the source {source} lies inside the output folder; replacing the folder would delete it"
+            )
 
     def _refuse_existing(self):
         if not os.path.lexists(self.path):
@@ -119,8 +120,10 @@ class OutputFolder:
                     break
             else:
                 if any(self.path.iterdir()) and not written_by_us(self.path):
-                    reason = (f"encoderstack did not write it (it holds none of {', '.join(dict(RECORDS))}) and it is "
-                              "not empty; remove it yourself or choose another output folder")
+                    reason = (
+                        f"encoderstack did not write it (it holds none of {', '.join(dict(RECORDS))}) and it is "
+                        "not empty; remove it yourself or choose another output folder"
+                    )
         if reason:
             raise OutputFolderError(f"{self.path}: not replaced: {reason}")
 
@@ -141,8 +144,11 @@ class OutputFolder:
         self.handlers = {}
         if threading.current_thread() is threading.main_thread():
             # only where the signal would kill us without cleanup; a program's own handler stays in charge
-            self.handlers = {signum: signal.signal(signum, _terminate) for signum in TERMINATING
-                             if signal.getsignal(signum) == signal.SIG_DFL}
+            self.handlers = {
+                signum: signal.signal(signum, _terminate)
+                for signum in TERMINATING
+                if signal.getsignal(signum) == signal.SIG_DFL
+            }
         try:
             with _signals_deferred():
                 self.path.parent.mkdir(parents=True, exist_ok=True)

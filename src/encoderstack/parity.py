@@ -19,5 +19,6 @@ def parity_rows(parity: dict, missing: str = "–") -> tuple[list[str], list[tup
     for backend, results in parity["results"].items():
         for row in results:
             values.setdefault(row["output"], {})[backend] = row["max_abs_diff"]
-    return backends, [(output, [f"{row[b]:.2e}" if b in row else missing for b in backends])
-                      for output, row in values.items()]
+    return backends, [
+        (output, [f"{row[b]:.2e}" if b in row else missing for b in backends]) for output, row in values.items()
+    ]

@@ -44,6 +44,7 @@ class PretrainError(FinetuneError):
 
 # ---------------------------------------------------------------------------------------------------------------- data
 
+
 def text_files(path) -> list[Path]:
     path = Path(path)
     if path.is_dir():
@@ -79,8 +80,9 @@ def documents(path: Path):
             try:
                 line = raw.decode("utf-8").removeprefix("\ufeff" if number == 1 else "")
             except UnicodeDecodeError as error:
-                raise DataError(f"{path}: line {number}: not UTF-8 text ({error.reason} at byte {error.start} of the "
-                                f"line)") from None
+                raise DataError(
+                    f"{path}: line {number}: not UTF-8 text ({error.reason} at byte {error.start} of the line)"
+                ) from None
             if path.suffix == ".jsonl":
                 if line.strip():
                     found = True
@@ -112,8 +114,9 @@ def load_documents(files: dict, cache: Path):
     import datasets
 
     try:
-        return datasets.Dataset.from_generator(read_documents, cache_dir=str(cache),
-                                               gen_kwargs={"files": [(str(f), d) for f, d in files.items()]})
+        return datasets.Dataset.from_generator(
+            read_documents, cache_dir=str(cache), gen_kwargs={"files": [(str(f), d) for f, d in files.items()]}
+        )
     except datasets.exceptions.DatasetGenerationError as error:
         if isinstance(error.__cause__, DataError):
             raise error.__cause__ from None
@@ -156,7 +159,8 @@ class MaskedFlattening:
         with warnings.catch_warnings():  # whole words: transformers masks with [MASK] only, and says so each time
             warnings.simplefilter("ignore")
             self.masking = transformers.DataCollatorForLanguageModeling(
-                tokenizer, mlm_probability=mlm_probability, whole_word_mask=whole_word_mask, seed=seed)
+                tokenizer, mlm_probability=mlm_probability, whole_word_mask=whole_word_mask, seed=seed
+            )
         self.masking.create_rng("pt")
         self.special = torch.tensor(tokenizer.all_special_ids)
         self.flatten = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
@@ -164,8 +168,9 @@ class MaskedFlattening:
     def mask(self, example: dict) -> dict:
         ids = torch.tensor(example["input_ids"])[None]
         offsets = torch.tensor(example["offsets"])[None] if "offsets" in example else None
-        ids, labels = self.masking.torch_mask_tokens(ids, special_tokens_mask=torch.isin(ids, self.special),
-                                                     offset_mapping=offsets)
+        ids, labels = self.masking.torch_mask_tokens(
+            ids, special_tokens_mask=torch.isin(ids, self.special), offset_mapping=offsets
+        )
         return {"input_ids": ids[0].tolist(), "labels": labels[0].tolist()}
 
     def __call__(self, examples):
@@ -183,6 +188,7 @@ def data_record(files: dict, chunks) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------------- model, tokenizer
+
 
 def config_fields(config) -> dict:
     """EncoderStackConfig fields from a dict, a JSON file, or `key=value,key=value` (values read as JSON, else as
@@ -221,8 +227,9 @@ def checked_config(config) -> dict:
 def fresh_config(fields: dict, tokenizer) -> EncoderStackConfig:
     fields = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id, **fields}
     if not is_integer(fields["vocab_size"]) or fields["vocab_size"] < len(tokenizer):
-        raise PretrainError(f"config: vocab_size {fields['vocab_size']!r} is less than the tokenizer's "
-                            f"{len(tokenizer)} tokens")
+        raise PretrainError(
+            f"config: vocab_size {fields['vocab_size']!r} is less than the tokenizer's {len(tokenizer)} tokens"
+        )
     return EncoderStackConfig(**fields, architectures=["EncoderStackForMaskedLM"])
 
 
@@ -234,20 +241,30 @@ def train_wordpiece(texts, vocab_size: int):
     wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
     wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     wordpiece.decoder = decoders.WordPiece()
-    wordpiece.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(
-        SPECIAL_TOKENS), show_progress=False))
+    wordpiece.train_from_iterator(
+        texts,
+        trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False),
+    )
     cls, sep = wordpiece.token_to_id("[CLS]"), wordpiece.token_to_id("[SEP]")
     wordpiece.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=wordpiece, unk_token="[UNK]", pad_token="[PAD]",
-                                                cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=wordpiece,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
 
 
 def check_tokenizer(tokenizer, where) -> None:
     for name in ("cls_token", "sep_token", "mask_token"):
         if getattr(tokenizer, name) is None:
-            raise PretrainError(f"{where}: the tokenizer has no {name}; masked-LM pre-training needs [CLS], [SEP] "
-                                "and [MASK]")
+            raise PretrainError(
+                f"{where}: the tokenizer has no {name}; masked-LM pre-training needs [CLS], [SEP] and [MASK]"
+            )
 
 
 def choose_tokenizer(model, tokenizer, train_tokenizer, config, documents):
@@ -256,8 +273,9 @@ def choose_tokenizer(model, tokenizer, train_tokenizer, config, documents):
     if tokenizer is not None:
         return load_tokenizer(tokenizer, {})
     if not (is_integer(train_tokenizer) and train_tokenizer > len(SPECIAL_TOKENS)):
-        raise PretrainError(f"train_tokenizer must be a vocabulary size above {len(SPECIAL_TOKENS)}, got "
-                            f"{train_tokenizer!r}")
+        raise PretrainError(
+            f"train_tokenizer must be a vocabulary size above {len(SPECIAL_TOKENS)}, got {train_tokenizer!r}"
+        )
     return train_wordpiece((row["text"] for row in documents), train_tokenizer)
 
 
@@ -270,6 +288,7 @@ def starting_model(model, config, tokenizer):
 
 
 # ----------------------------------------------------------------------------------------------------------- training
+
 
 def token_scores(logits, labels):
     """Per-token loss and prediction for the metrics (keeping the logits would hold tokens x vocabulary floats)."""
@@ -309,8 +328,19 @@ class EvaluateAtTheEnd(transformers.TrainerCallback):
             control.should_evaluate = True
 
 
-def check_pretrain_settings(mlm_probability, max_length, max_steps, epochs, batch_size, lr, warmup_steps,
-                            warmup_ratio, scheduler, seed, eval_steps) -> None:
+def check_pretrain_settings(
+    mlm_probability,
+    max_length,
+    max_steps,
+    epochs,
+    batch_size,
+    lr,
+    warmup_steps,
+    warmup_ratio,
+    scheduler,
+    seed,
+    eval_steps,
+) -> None:
     if max_steps is not None and epochs is not None:
         raise PretrainError("give max_steps or epochs, not both")
     check_settings(1.0 if epochs is None else epochs, batch_size, lr, max_length, seed, 1)
@@ -343,19 +373,44 @@ def resume_point(scratch: Path, resume: bool, force: bool, settings: dict) -> st
             raise PretrainError(f"{scratch}: no checkpoint to resume from")
         saved = read_json_object(scratch / "settings.json", PretrainError)
         if changed := [key for key in settings if saved.get(key) != settings[key]]:
-            raise PretrainError(f"{scratch}: the interrupted run had {changed[0]}={saved.get(changed[0])!r}, this one "
-                                f"{settings[changed[0]]!r}; resume with the same settings")
+            raise PretrainError(
+                f"{scratch}: the interrupted run had {changed[0]}={saved.get(changed[0])!r}, this one "
+                f"{settings[changed[0]]!r}; resume with the same settings"
+            )
         return last
     if last is not None and not force:
-        raise PretrainError(f"{scratch}: checkpoints of an unfinished run; pass --resume (resume=True) to continue "
-                            "it or --force (force=True) to start over")
+        raise PretrainError(
+            f"{scratch}: checkpoints of an unfinished run; pass --resume (resume=True) to continue "
+            "it or --force (force=True) to start over"
+        )
     return None
 
 
-def pretrain(model=None, config=None, tokenizer=None, train=None, eval=None, output="encoderstack-pretrained",
-             mlm_probability=0.15, whole_word_mask=False, max_length=128, max_steps=None, epochs=None, batch_size=32,
-             lr=1e-4, warmup_steps=0, warmup_ratio=None, scheduler="linear", seed=42, eval_steps=None,
-             resume=False, force=False, train_tokenizer=None, num_proc=None, **training_args) -> dict:
+def pretrain(
+    model=None,
+    config=None,
+    tokenizer=None,
+    train=None,
+    eval=None,
+    output="encoderstack-pretrained",
+    mlm_probability=0.15,
+    whole_word_mask=False,
+    max_length=128,
+    max_steps=None,
+    epochs=None,
+    batch_size=32,
+    lr=1e-4,
+    warmup_steps=0,
+    warmup_ratio=None,
+    scheduler="linear",
+    seed=42,
+    eval_steps=None,
+    resume=False,
+    force=False,
+    train_tokenizer=None,
+    num_proc=None,
+    **training_args,
+) -> dict:
     """Masked-LM pre-training of `model` (an EncoderStack or BERT folder, converted on the fly) or of a fresh model
     from `config` (fields as a dict, a JSON file or `key=value,...`) with `tokenizer` (a folder) or a WordPiece
     tokenizer trained on `train` (`train_tokenizer`: its vocabulary size). Evaluates on `eval` (default: a held-out
@@ -365,8 +420,19 @@ def pretrain(model=None, config=None, tokenizer=None, train=None, eval=None, out
     Settings, model folder and data are all checked before any model is built (PretrainError, DataError)."""
     if train is None:
         raise PretrainError("no training text given (train, --train)")
-    check_pretrain_settings(mlm_probability, max_length, max_steps, epochs, batch_size, lr, warmup_steps,
-                            warmup_ratio, scheduler, seed, eval_steps)
+    check_pretrain_settings(
+        mlm_probability,
+        max_length,
+        max_steps,
+        epochs,
+        batch_size,
+        lr,
+        warmup_steps,
+        warmup_ratio,
+        scheduler,
+        seed,
+        eval_steps,
+    )
     try:
         import datasets  # noqa: F401  (fail before any work, not after it)
         import matplotlib  # noqa: F401
@@ -377,8 +443,9 @@ def pretrain(model=None, config=None, tokenizer=None, train=None, eval=None, out
     if model is not None and (tokenizer is not None or train_tokenizer is not None):
         raise PretrainError(f"{model}: continued pre-training uses the model folder's own tokenizer")
     if model is None and (tokenizer is None) == (train_tokenizer is None):
-        raise PretrainError("a fresh model (config) needs exactly one of tokenizer (a folder) or train_tokenizer "
-                            "(a vocabulary size)")
+        raise PretrainError(
+            "a fresh model (config) needs exactly one of tokenizer (a folder) or train_tokenizer (a vocabulary size)"
+        )
     folder_config = model_config(model) if model is not None else None
     config = checked_config(config) if config is not None else None
     check_positions(max_length, folder_config or config)
@@ -386,39 +453,77 @@ def pretrain(model=None, config=None, tokenizer=None, train=None, eval=None, out
     eval_files = {f: sha256(f) for f in text_files(eval)} if eval is not None else {}
     destination = OutputFolder(output, force)
     scratch = scratch_folder(destination)
-    settings = {"mlm_probability": mlm_probability, "whole_word_mask": whole_word_mask, "max_length": max_length,
-                "max_steps": max_steps, "epochs": epochs, "batch_size": batch_size, "learning_rate": lr,
-                "warmup_steps": warmup_steps, "warmup_ratio": warmup_ratio, "scheduler": scheduler, "seed": seed,
-                "eval_steps": eval_steps}
+    settings = {
+        "mlm_probability": mlm_probability,
+        "whole_word_mask": whole_word_mask,
+        "max_length": max_length,
+        "max_steps": max_steps,
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "learning_rate": lr,
+        "warmup_steps": warmup_steps,
+        "warmup_ratio": warmup_ratio,
+        "scheduler": scheduler,
+        "seed": seed,
+        "eval_steps": eval_steps,
+    }
     checkpoint = resume_point(scratch, resume, force, settings)
     with tempfile.TemporaryDirectory(prefix=f".{destination.path.name}.data-", dir=destination.path.parent) as cache:
         tokenizer, train_set, eval_set, data = prepare_text(
-            train_files, eval_files, train, Path(cache), model, tokenizer, train_tokenizer, folder_config, max_length,
-            mlm_probability, whole_word_mask, seed, num_proc)
+            train_files,
+            eval_files,
+            train,
+            Path(cache),
+            model,
+            tokenizer,
+            train_tokenizer,
+            folder_config,
+            max_length,
+            mlm_probability,
+            whole_word_mask,
+            seed,
+            num_proc,
+        )
         record = {"base_model": str(model) if model is not None else None, "data": data, "settings": settings}
-        return train_and_save(model, config, tokenizer, train_set, eval_set, destination, scratch, checkpoint,
-                              record, training_args)
+        return train_and_save(
+            model, config, tokenizer, train_set, eval_set, destination, scratch, checkpoint, record, training_args
+        )
 
 
 def check_positions(max_length: int, config: dict) -> None:
     if config.get("position_embedding_type", "absolute") == "absolute":
         positions = config.get("max_position_embeddings", EncoderStackConfig().max_position_embeddings)
         if max_length > positions:
-            raise PretrainError(f"max_length {max_length} is more than the model's {positions} learned positions "
-                                "(max_position_embeddings)")
+            raise PretrainError(
+                f"max_length {max_length} is more than the model's {positions} learned positions "
+                "(max_position_embeddings)"
+            )
 
 
 def held_out(documents, train, seed: int):
     """A seeded tenth of the training documents for evaluation (whole documents: no sequence is in both)."""
     if len(documents) < 2:
-        raise DataError(f"{train}: {len(documents)} document; holding out evaluation text needs at least 2 (or give "
-                        "eval, --eval)")
+        raise DataError(
+            f"{train}: {len(documents)} document; holding out evaluation text needs at least 2 (or give eval, --eval)"
+        )
     return documents.train_test_split(test_size=max(1, round(HELD_OUT * len(documents))), seed=seed)
 
 
-def prepare_text(train_files: dict, eval_files: dict, train, cache: Path, model, tokenizer, train_tokenizer,
-                 folder_config, max_length: int, mlm_probability: float, whole_word_mask: bool, seed: int,
-                 num_proc=None):
+def prepare_text(
+    train_files: dict,
+    eval_files: dict,
+    train,
+    cache: Path,
+    model,
+    tokenizer,
+    train_tokenizer,
+    folder_config,
+    max_length: int,
+    mlm_probability: float,
+    whole_word_mask: bool,
+    seed: int,
+    num_proc=None,
+):
     """The pre-training data path: documents read into `datasets` under `cache`, the tokenizer (the model folder's,
     a folder, or trained on the training documents), each document cut into sequences, the evaluation set masked
     once. Returns (tokenizer, train_set, eval_set, the data record)."""
@@ -431,17 +536,31 @@ def prepare_text(train_files: dict, eval_files: dict, train, cache: Path, model,
     tokenizer = choose_tokenizer(model, tokenizer, train_tokenizer, folder_config, train_docs)
     check_tokenizer(tokenizer, model or "tokenizer")
     chunk = chunker(tokenizer, max_length, whole_word_mask)
-    train_set, eval_set = (docs.map(chunk, batched=True, remove_columns=docs.column_names, num_proc=num_proc,
-                                    new_fingerprint=f"{name}-chunks", desc=f"Tokenizing the {name} text")
-                           for name, docs in (("train", train_docs), ("eval", eval_docs)))
-    data = {"train": data_record(train_files, train_set),
-            "eval": data_record(eval_files, eval_set) if eval_files else
-            f"{len(eval_docs)} held-out training documents",
-            "train_sequences": len(train_set), "train_tokens": sum(train_set["length"]),
-            "eval_sequences": len(eval_set), "eval_tokens": sum(eval_set["length"])}
-    eval_set = eval_set.map(MaskedFlattening(tokenizer, mlm_probability, whole_word_mask, EVAL_MASK_SEED).mask,
-                            remove_columns=eval_set.column_names, new_fingerprint="eval-masked",
-                            desc="Masking the eval text")
+    train_set, eval_set = (
+        docs.map(
+            chunk,
+            batched=True,
+            remove_columns=docs.column_names,
+            num_proc=num_proc,
+            new_fingerprint=f"{name}-chunks",
+            desc=f"Tokenizing the {name} text",
+        )
+        for name, docs in (("train", train_docs), ("eval", eval_docs))
+    )
+    data = {
+        "train": data_record(train_files, train_set),
+        "eval": data_record(eval_files, eval_set) if eval_files else f"{len(eval_docs)} held-out training documents",
+        "train_sequences": len(train_set),
+        "train_tokens": sum(train_set["length"]),
+        "eval_sequences": len(eval_set),
+        "eval_tokens": sum(eval_set["length"]),
+    }
+    eval_set = eval_set.map(
+        MaskedFlattening(tokenizer, mlm_probability, whole_word_mask, EVAL_MASK_SEED).mask,
+        remove_columns=eval_set.column_names,
+        new_fingerprint="eval-masked",
+        desc="Masking the eval text",
+    )
     data["eval_masked_tokens"] = sum(sum(label != -100 for label in row) for row in eval_set["labels"])
     train_set = train_set.select_columns(["input_ids", *(["offsets"] if whole_word_mask else [])])
     return tokenizer, train_set, eval_set, data
@@ -452,17 +571,32 @@ def training_arguments(settings: dict, scratch: Path, **overrides) -> transforme
     warmup = settings["warmup_ratio"] if settings["warmup_ratio"] is not None else settings["warmup_steps"]
     scheduler = settings["scheduler"] + ("_with_warmup" if settings["scheduler"] == "constant" and warmup else "")
     interval = settings["eval_steps"] or 0.25
-    values = dict(
-        output_dir=str(scratch), max_steps=settings["max_steps"] or -1,
-        num_train_epochs=settings["epochs"] or 1.0, per_device_train_batch_size=settings["batch_size"],
-        per_device_eval_batch_size=settings["batch_size"], learning_rate=settings["learning_rate"],
-        warmup_steps=warmup, lr_scheduler_type=scheduler, weight_decay=0.01, seed=settings["seed"],
-        eval_strategy="steps", eval_steps=interval, save_strategy="steps", save_steps=interval,
-        logging_steps=0.05, logging_first_step=True, load_best_model_at_end=True,
-        metric_for_best_model="mlm_loss", greater_is_better=False, save_total_limit=1,
-        include_num_input_tokens_seen=True, remove_unused_columns=False, report_to=[],
-        use_cpu=not torch.cuda.is_available(),
-    )
+    values = {
+        "output_dir": str(scratch),
+        "max_steps": settings["max_steps"] or -1,
+        "num_train_epochs": settings["epochs"] or 1.0,
+        "per_device_train_batch_size": settings["batch_size"],
+        "per_device_eval_batch_size": settings["batch_size"],
+        "learning_rate": settings["learning_rate"],
+        "warmup_steps": warmup,
+        "lr_scheduler_type": scheduler,
+        "weight_decay": 0.01,
+        "seed": settings["seed"],
+        "eval_strategy": "steps",
+        "eval_steps": interval,
+        "save_strategy": "steps",
+        "save_steps": interval,
+        "logging_steps": 0.05,
+        "logging_first_step": True,
+        "load_best_model_at_end": True,
+        "metric_for_best_model": "mlm_loss",
+        "greater_is_better": False,
+        "save_total_limit": 1,
+        "include_num_input_tokens_seen": True,
+        "remove_unused_columns": False,
+        "report_to": [],
+        "use_cpu": not torch.cuda.is_available(),
+    }
     try:
         return transformers.TrainingArguments(**{**values, **overrides})
     except ValueError as error:
@@ -473,17 +607,25 @@ def mlm_trainer(network, args, tokenizer, train_set, eval_set, settings: dict, *
     """A pre-training Trainer: masking each sequence on its own, then flattening; the masked-LM metrics; no progress
     bar (the caller adds its own)."""
     trainer = transformers.Trainer(
-        model=network, args=args, train_dataset=train_set, eval_dataset=eval_set,
-        data_collator=MaskedFlattening(tokenizer, settings["mlm_probability"], settings["whole_word_mask"],
-                                       settings["seed"]),
-        compute_metrics=mlm_metrics, preprocess_logits_for_metrics=token_scores, **kwargs)
+        model=network,
+        args=args,
+        train_dataset=train_set,
+        eval_dataset=eval_set,
+        data_collator=MaskedFlattening(
+            tokenizer, settings["mlm_probability"], settings["whole_word_mask"], settings["seed"]
+        ),
+        compute_metrics=mlm_metrics,
+        preprocess_logits_for_metrics=token_scores,
+        **kwargs,
+    )
     trainer.remove_callback(transformers.ProgressCallback)
     trainer.remove_callback(transformers.PrinterCallback)
     return trainer
 
 
-def train_and_save(model, config, tokenizer, train_set, eval_set, destination, scratch, checkpoint, record,
-                   training_args) -> dict:
+def train_and_save(
+    model, config, tokenizer, train_set, eval_set, destination, scratch, checkpoint, record, training_args
+) -> dict:
     settings = record["settings"]
     args = training_arguments(settings, scratch, **training_args)
     transformers.set_seed(settings["seed"])
@@ -513,24 +655,32 @@ def train_and_save(model, config, tokenizer, train_set, eval_set, destination, s
     record = {
         **record,
         "initialized": initialized,
-        "eval_loss_before": before["eval_mlm_loss"], "eval_loss_after": after["eval_mlm_loss"],
+        "eval_loss_before": before["eval_mlm_loss"],
+        "eval_loss_after": after["eval_mlm_loss"],
         "before": {name: before[f"eval_{name}"] for name in METRICS},
         "after": {name: after[f"eval_{name}"] for name in METRICS},
-        "steps": trainer.state.global_step, "trained_tokens": trained_tokens,
-        "train_tokens_per_second": result.metrics.get("train_runtime") and trained_tokens / result.metrics[
-            "train_runtime"],
+        "steps": trainer.state.global_step,
+        "trained_tokens": trained_tokens,
+        "train_tokens_per_second": result.metrics.get("train_runtime")
+        and trained_tokens / result.metrics["train_runtime"],
         "best_checkpoint_step": best_step,
         "resumed_from_step": int(Path(checkpoint).name.split("-")[-1]) if checkpoint else None,
         "evaluations": [{"step": 0, **before}] + [entry for entry in history if "eval_mlm_loss" in entry],
-        "world_size": args.world_size, "python": sys.version.split()[0],
+        "world_size": args.world_size,
+        "python": sys.version.split()[0],
     }
     if trainer.is_world_process_zero():
         with destination as folder:
             trainer.save_model(folder)
             tokenizer.save_pretrained(folder)
             (folder / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
-            plot_losses([{"step": 0, "eval_mlm_loss": before["eval_mlm_loss"]}, *history], folder / "loss.png",
-                        title="Pre-training loss", eval_key="eval_mlm_loss", learning_rate=True)
+            plot_losses(
+                [{"step": 0, "eval_mlm_loss": before["eval_mlm_loss"]}, *history],
+                folder / "loss.png",
+                title="Pre-training loss",
+                eval_key="eval_mlm_loss",
+                learning_rate=True,
+            )
             write_card(folder, repo_id=destination.path.name)
         shutil.rmtree(scratch, ignore_errors=True)
     return record
@@ -550,8 +700,9 @@ def stdlib_sources():
         if (root / f"{name}.py").is_file():
             yield root / f"{name}.py"
         elif (root / name / "__init__.py").is_file():
-            yield from sorted(p for p in (root / name).rglob("*.py")
-                              if not SKIPPED_PARTS & set(p.relative_to(root).parts))
+            yield from sorted(
+                p for p in (root / name).rglob("*.py") if not SKIPPED_PARTS & set(p.relative_to(root).parts)
+            )
 
 
 def docstrings(path: Path):

@@ -36,8 +36,9 @@ def placement_list(text: str) -> tuple[str, ...]:
 def model_width(text: str) -> int:
     width = positive_int(text)
     if width % 8:
-        raise argparse.ArgumentTypeError(f"expected a multiple of 8 (4 heads of even size, for rotary positions), "
-                                         f"got {width}")
+        raise argparse.ArgumentTypeError(
+            f"expected a multiple of 8 (4 heads of even size, for rotary positions), got {width}"
+        )
     return width
 
 
@@ -45,25 +46,40 @@ def add_diagnose_command(commands) -> argparse.ArgumentParser:
     """Register `diagnose` on the `add_subparsers()` object of the `encoderstack` parser."""
     full, quick = ReportSettings(), QUICK
     diagnose = commands.add_parser(
-        "diagnose", help="measure, plot and train each normalization placement at several depths",
+        "diagnose",
+        help="measure, plot and train each normalization placement at several depths",
         description="Gradient norms, activation scale and layer similarity at init, and a short training run with "
-                    "and without warm-up, for each placement and depth; writes OUT/index.md with PNG figures.")
-    diagnose.add_argument("--layers", type=depth_list,
-                          help=f"comma-separated depths (default {','.join(map(str, full.layers))}; "
-                               f"--quick: {','.join(map(str, quick.layers))})")
+        "and without warm-up, for each placement and depth; writes OUT/index.md with PNG figures.",
+    )
+    diagnose.add_argument(
+        "--layers",
+        type=depth_list,
+        help=f"comma-separated depths (default {','.join(map(str, full.layers))}; "
+        f"--quick: {','.join(map(str, quick.layers))})",
+    )
     diagnose.add_argument("--placements", type=placement_list, help="comma-separated placements (default: all)")
-    diagnose.add_argument("--steps", type=positive_int,
-                          help=f"training steps per run (default {full.steps}; --quick: {quick.steps})")
-    diagnose.add_argument("--hidden-size", type=model_width,
-                          help=f"model width, a multiple of 8 (default {full.hidden_size}; "
-                               f"--quick: {quick.hidden_size})")
+    diagnose.add_argument(
+        "--steps", type=positive_int, help=f"training steps per run (default {full.steps}; --quick: {quick.steps})"
+    )
+    diagnose.add_argument(
+        "--hidden-size",
+        type=model_width,
+        help=f"model width, a multiple of 8 (default {full.hidden_size}; --quick: {quick.hidden_size})",
+    )
     diagnose.add_argument("--lr", type=positive_float, help=f"peak learning rate (default {full.lr:g})")
     diagnose.add_argument("--seed", type=int, help=f"seed of every initialization and batch (default {full.seed})")
-    diagnose.add_argument("--warmup-steps", dest="warmup", type=non_negative_int,
-                          help="linear warm-up of the warm-up runs, in steps (default: a fifth of --steps)")
-    diagnose.add_argument("--corpus", metavar="TEXT",
-                          help=f"train on real text through pretrain's data path: a .txt/.jsonl file or folder, as "
-                               f"pretrain --train takes, or '{STDLIB}' (the installed Python's docstrings)")
+    diagnose.add_argument(
+        "--warmup-steps",
+        dest="warmup",
+        type=non_negative_int,
+        help="linear warm-up of the warm-up runs, in steps (default: a fifth of --steps)",
+    )
+    diagnose.add_argument(
+        "--corpus",
+        metavar="TEXT",
+        help=f"train on real text through pretrain's data path: a .txt/.jsonl file or folder, as "
+        f"pretrain --train takes, or '{STDLIB}' (the installed Python's docstrings)",
+    )
     diagnose.add_argument("--out", default=DEFAULT_OUTPUT, help=f"report folder (default ./{DEFAULT_OUTPUT})")
     diagnose.add_argument("--quick", action="store_true", help="small depths and few steps: about a minute")
     diagnose.add_argument("--force", action="store_true", help="replace an existing report folder")
@@ -72,8 +88,11 @@ def add_diagnose_command(commands) -> argparse.ArgumentParser:
 
 
 def diagnose_command(args) -> int:
-    given = {field.name: getattr(args, field.name) for field in dataclasses.fields(ReportSettings)
-             if getattr(args, field.name) is not None}
+    given = {
+        field.name: getattr(args, field.name)
+        for field in dataclasses.fields(ReportSettings)
+        if getattr(args, field.name) is not None
+    }
     settings = dataclasses.replace(QUICK if args.quick else ReportSettings(), **given)
     print(settings.command)
     start = time.perf_counter()

@@ -10,8 +10,14 @@ def card_command(args) -> int:
 
 
 def push_command(args) -> int:
-    commit = push_folder(args.folder, args.repo_id, private=args.private, revision=args.revision,
-                         commit_message=args.commit_message, token=args.token)
+    commit = push_folder(
+        args.folder,
+        args.repo_id,
+        private=args.private,
+        revision=args.revision,
+        commit_message=args.commit_message,
+        token=args.token,
+    )
     print(f"pushed {args.folder} -> {commit.commit_url}")
     return 0
 
@@ -25,8 +31,9 @@ def add_hub_commands(commands) -> None:
     push = commands.add_parser("push", help="check an EncoderStack folder, then publish it to the Hub in one commit")
     push.add_argument("folder", metavar="DIR")
     push.add_argument("repo_id", metavar="REPO_ID", help="the Hub repository, namespace/name (created if missing)")
-    push.add_argument("--private", action="store_true", help="create the repository private (an existing one keeps "
-                                                             "its visibility)")
+    push.add_argument(
+        "--private", action="store_true", help="create the repository private (an existing one keeps its visibility)"
+    )
     push.add_argument("--revision", metavar="R", help="branch to commit to, created if missing (default: main)")
     push.add_argument("--commit-message", metavar="M")
     push.add_argument("--token", metavar="T", help="Hub token (default: HF_TOKEN, or the one `hf auth login` saved)")

@@ -147,8 +147,13 @@ def open_source(name_or_path, gelu: str = "tanh", lowercase: bool | None = None)
     if tensors is None:
         raise ConversionError(f"{folder}: no weights found (looked for {', '.join(WEIGHT_FILE_NAMES)})")
     refuse_symlink_loops(folder)
-    return Source(folder, config, tensors, {key: (bert_name(key), False) for key in tensors.keys()},
-                  own_files=WEIGHT_FILE_NAMES + ("config.json",))
+    return Source(
+        folder,
+        config,
+        tensors,
+        {key: (bert_name(key), False) for key in tensors},
+        own_files=WEIGHT_FILE_NAMES + ("config.json",),
+    )
 
 
 def encoderstack_config(source: Source, family: str, task: Task) -> EncoderStackConfig:
@@ -183,12 +188,15 @@ def encoderstack_config(source: Source, family: str, task: Task) -> EncoderStack
 def detect_task(source: Source) -> tuple[str, Task]:
     family_name = source.config.get("model_type")
     if family_name not in FAMILIES:
-        raise ConversionError(f"{source.config_path}: model_type {family_name!r} is not a BERT checkpoint "
-                              f"(supported: {', '.join(FAMILIES)})")
+        raise ConversionError(
+            f"{source.config_path}: model_type {family_name!r} is not a BERT checkpoint "
+            f"(supported: {', '.join(FAMILIES)})"
+        )
     architectures = source.config.get("architectures") or []
     if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
-        raise ConversionError(f"{source.config_path}: architectures must be a list of class names, "
-                              f"got {architectures!r}")
+        raise ConversionError(
+            f"{source.config_path}: architectures must be a list of class names, got {architectures!r}"
+        )
     if len(architectures) > 1:
         raise ConversionError(f"{source.config_path}: several architectures {architectures}; choose one with --task")
     if architectures:
@@ -198,7 +206,8 @@ def detect_task(source: Source) -> tuple[str, Task]:
             raise ConversionError(f"{source.config_path}: {error}") from None
         if family != family_name:
             raise ConversionError(
-                f"{source.config_path}: architecture {architectures[0]} with model_type {family_name!r}")
+                f"{source.config_path}: architecture {architectures[0]} with model_type {family_name!r}"
+            )
         return family, task
     names = {bert for bert, _ in source.bert_names.values()}
     has = lambda prefix: any(name.startswith(prefix) for name in names)  # noqa: E731
@@ -209,11 +218,14 @@ def detect_task(source: Source) -> tuple[str, Task]:
 
 def refuse_untied_decoder(source: Source, decoder: str) -> None:
     """Tying would drop a trained decoder that differs from the embeddings (transformers does so silently)."""
-    embeddings = next((key for key, (name, _) in source.bert_names.items()
-                       if name == "embeddings.word_embeddings.weight"), None)
+    embeddings = next(
+        (key for key, (name, _) in source.bert_names.items() if name == "embeddings.word_embeddings.weight"), None
+    )
     if embeddings is not None and not torch.equal(source.tensors.get(decoder), source.tensors.get(embeddings)):
-        raise ConversionError(f"{source.tensors.file_of(decoder)}: tensor {decoder!r} differs from {embeddings!r}, "
-                              f"but {source.config_path} says tie_word_embeddings=true")
+        raise ConversionError(
+            f"{source.tensors.file_of(decoder)}: tensor {decoder!r} differs from {embeddings!r}, "
+            f"but {source.config_path} says tie_word_embeddings=true"
+        )
 
 
 def plan(source: Source, task_name: str | None = None) -> Plan:
@@ -229,8 +241,9 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
     for key, (name, transpose) in sorted(source.bert_names.items()):
         target = translate(name, ENCODER_KEYS)
         target = prefix + target if target else translate(name, task.head_keys)
-        if name in SKIPPED_KEYS and not (target and name == "cls.predictions.decoder.bias"
-                                         and "cls.predictions.bias" not in names):
+        if name in SKIPPED_KEYS and not (
+            target and name == "cls.predictions.decoder.bias" and "cls.predictions.bias" not in names
+        ):
             skipped[key] = SKIPPED_KEYS[name]
         elif target == "lm_head.decoder.weight" and config.tie_word_embeddings:
             refuse_untied_decoder(source, key)
@@ -253,17 +266,22 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
             shape, dtype = source.tensors.shape(key), source.tensors.dtype(key)
             shape = shape[::-1] if transpose else shape
             if not dtype.is_floating_point:
-                raise ConversionError(f"{source.tensors.file_of(key)}: tensor {key!r} is stored as {dtype}; "
-                                      "a BERT weight is floating point")
+                raise ConversionError(
+                    f"{source.tensors.file_of(key)}: tensor {key!r} is stored as {dtype}; "
+                    "a BERT weight is floating point"
+                )
             if 0 in shape:
-                raise ConversionError(f"{source.tensors.file_of(key)}: tensor {key!r} has shape {list(shape)}; "
-                                      "no BERT has an empty weight")
+                raise ConversionError(
+                    f"{source.tensors.file_of(key)}: tensor {key!r} has shape {list(shape)}; "
+                    "no BERT has an empty weight"
+                )
             if shape != expected[target]:
                 raise ConversionError(
                     f"{source.folder}: tensor {key!r} has shape {list(shape)}, but {target!r} needs "
                     f"{list(expected[target])} for this config"
                 )
             mapped[target] = (key, transpose)
+
     # A source may lack the pooler (BERT's add_pooling_layer=False); a task chosen explicitly may lack its head.
     # Those start from the usual initialization and are listed; any other missing tensor is an error.
     def may_be_missing(key):
@@ -284,7 +302,11 @@ def write_safetensors(path: Path, source: TensorSource, mapped: dict) -> None:
         key, transpose = mapped[target]
         shape = source.shape(key)[::-1] if transpose else source.shape(key)
         size = torch.Size(shape).numel() * torch.empty((), dtype=source.dtype(key)).element_size()
-        header[target] = {"dtype": codes[source.dtype(key)], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[target] = {
+            "dtype": codes[source.dtype(key)],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     header["__metadata__"] = {"format": "pt"}
     encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -314,8 +336,15 @@ def write_encoderstack_folder(folder: Path, source: Source, conversion: Plan) ->
         copy_other_files(source, folder)
 
 
-def convert(source_path, output_path, task: str | None = None, verify: bool = True, force: bool = False,
-            gelu: str = "tanh", lowercase: bool | None = None) -> Path:
+def convert(
+    source_path,
+    output_path,
+    task: str | None = None,
+    verify: bool = True,
+    force: bool = False,
+    gelu: str = "tanh",
+    lowercase: bool | None = None,
+) -> Path:
     """Convert a BERT checkpoint (folder, Hub id, or TensorFlow checkpoint) into an EncoderStack folder; returns
     the output path.
 
@@ -348,9 +377,12 @@ def convert(source_path, output_path, task: str | None = None, verify: bool = Tr
             }
             if verify:
                 report["parity"] = check_parity(source, conversion, folder)
-                failures = [f"{row['output']} ({backend}): {row['max_abs_diff']:.2e}"
-                            for backend, rows in report["parity"]["results"].items() for row in rows
-                            if row["max_abs_diff"] > TOLERANCE]
+                failures = [
+                    f"{row['output']} ({backend}): {row['max_abs_diff']:.2e}"
+                    for backend, rows in report["parity"]["results"].items()
+                    for row in rows
+                    if row["max_abs_diff"] > TOLERANCE
+                ]
                 if failures:
                     raise ConversionError(f"parity above {TOLERANCE:g} on {'; '.join(failures)}; nothing written")
             (folder / "conversion.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -381,7 +413,8 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
     except Exception as error:  # the config's own validation says what is wrong
         raise ConversionError(f"{folder / 'config.json'}: {error}") from None
     unsupported = {
-        "norm_placement": (config.norm_placement, "post"), "norm_type": (config.norm_type, "layernorm"),
+        "norm_placement": (config.norm_placement, "post"),
+        "norm_type": (config.norm_type, "layernorm"),
         "embedding_norm": (config.embedding_norm, True),
         "position_embedding_type": (config.position_embedding_type, "absolute"),
     }
@@ -400,7 +433,7 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
         raise ConversionError(f"{folder}: no weights found")
     prefix = "" if task.name == "base" else "model."
     mapped = {}
-    for key in tensors.keys():
+    for key in tensors:
         name = translate(key.removeprefix(prefix), ENCODER_KEYS, reverse=True) if key.startswith(prefix) else None
         bert = ("" if task.name == "base" else "bert.") + name if name else translate(key, task.head_keys, reverse=True)
         if bert is None:
@@ -409,8 +442,9 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
     bert_config = {name: getattr(config, name) for name in BERT_FIELDS}
     output = OutputFolder(output_path, force, inputs=[folder])
     with output as partial:
-        transformers.BertConfig(**bert_config, num_labels=config.num_labels,
-                                architectures=["Bert" + task.bert_suffix]).save_pretrained(partial)
+        transformers.BertConfig(
+            **bert_config, num_labels=config.num_labels, architectures=["Bert" + task.bert_suffix]
+        ).save_pretrained(partial)
         write_safetensors(partial / "model.safetensors", tensors, mapped)
         skip = set(WEIGHT_FILE_NAMES) | {"config.json", "conversion.json", *CODE_FILES}
         copy_other_files(Source(folder, {}, tensors, {}, own_files=tuple(skip)), partial)

@@ -51,8 +51,11 @@ class GoogleBert:
 
     def encoder(self, ids, types, mask):
         seq = ids.shape[1]
-        x = (self.w("bert/embeddings/word_embeddings")[ids] + self.w("bert/embeddings/token_type_embeddings")[types]
-             + self.w("bert/embeddings/position_embeddings")[:seq])
+        x = (
+            self.w("bert/embeddings/word_embeddings")[ids]
+            + self.w("bert/embeddings/token_type_embeddings")[types]
+            + self.w("bert/embeddings/position_embeddings")[:seq]
+        )
         x = self.norm(x, "bert/embeddings/LayerNorm")
         hidden_states = [x]
         heads = self.config.num_attention_heads
@@ -82,13 +85,15 @@ class GoogleBert:
         if "bert/pooler/dense/kernel" in self.names:  # else a new pooler, which verification skips
             pooled = out["pooler_output"] = np.tanh(self.dense(sequence[:, 0], "bert/pooler/dense"))
         if self.task in ("masked-lm", "pretraining") and "cls/predictions/output_bias" in self.names:
-            transformed = self.norm(self.act(self.dense(sequence, "cls/predictions/transform/dense")),
-                                    "cls/predictions/transform/LayerNorm")
+            transformed = self.norm(
+                self.act(self.dense(sequence, "cls/predictions/transform/dense")), "cls/predictions/transform/LayerNorm"
+            )
             lm = transformed @ self.w("bert/embeddings/word_embeddings").T + self.w("cls/predictions/output_bias")
             out["logits" if self.task == "masked-lm" else "prediction_logits"] = lm
         if self.task == "pretraining" and "cls/seq_relationship/output_weights" in self.names:
-            out["seq_relationship_logits"] = (pooled @ self.w("cls/seq_relationship/output_weights").T
-                                              + self.w("cls/seq_relationship/output_bias"))
+            out["seq_relationship_logits"] = pooled @ self.w("cls/seq_relationship/output_weights").T + self.w(
+                "cls/seq_relationship/output_bias"
+            )
         if self.task == "sequence-classification" and "output_weights" in self.names:
             out["logits"] = pooled @ self.w("output_weights").T + self.w("output_bias")
         if self.task == "question-answering" and "cls/squad/output_weights" in self.names:

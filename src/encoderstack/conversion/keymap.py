@@ -56,20 +56,44 @@ TASKS = {
     for task in (
         Task("base", "Model", "EncoderStackModel"),
         Task("masked-lm", "ForMaskedLM", "EncoderStackForMaskedLM", tuple(LM_HEAD_KEYS)),
-        Task("pretraining", "ForPreTraining", "EncoderStackForPreTraining",
-             (*LM_HEAD_KEYS, ("cls.seq_relationship.{p}", "next_sentence.{p}"))),
+        Task(
+            "pretraining",
+            "ForPreTraining",
+            "EncoderStackForPreTraining",
+            (*LM_HEAD_KEYS, ("cls.seq_relationship.{p}", "next_sentence.{p}")),
+        ),
         # The next-sentence head is a 2-way classifier on the pooled output, which is what sequence
         # classification is; the converted model says so with num_labels=2.
-        Task("next-sentence", "ForNextSentencePrediction", "EncoderStackForSequenceClassification",
-             (("cls.seq_relationship.{p}", "classifier.{p}"),)),
-        Task("sequence-classification", "ForSequenceClassification", "EncoderStackForSequenceClassification",
-             (("classifier.{p}", "classifier.{p}"),)),
-        Task("token-classification", "ForTokenClassification", "EncoderStackForTokenClassification",
-             (("classifier.{p}", "classifier.{p}"),)),
-        Task("question-answering", "ForQuestionAnswering", "EncoderStackForQuestionAnswering",
-             (("qa_outputs.{p}", "classifier.{p}"),)),
-        Task("multiple-choice", "ForMultipleChoice", "EncoderStackForMultipleChoice",
-             (("classifier.{p}", "classifier.{p}"),)),
+        Task(
+            "next-sentence",
+            "ForNextSentencePrediction",
+            "EncoderStackForSequenceClassification",
+            (("cls.seq_relationship.{p}", "classifier.{p}"),),
+        ),
+        Task(
+            "sequence-classification",
+            "ForSequenceClassification",
+            "EncoderStackForSequenceClassification",
+            (("classifier.{p}", "classifier.{p}"),),
+        ),
+        Task(
+            "token-classification",
+            "ForTokenClassification",
+            "EncoderStackForTokenClassification",
+            (("classifier.{p}", "classifier.{p}"),),
+        ),
+        Task(
+            "question-answering",
+            "ForQuestionAnswering",
+            "EncoderStackForQuestionAnswering",
+            (("qa_outputs.{p}", "classifier.{p}"),),
+        ),
+        Task(
+            "multiple-choice",
+            "ForMultipleChoice",
+            "EncoderStackForMultipleChoice",
+            (("classifier.{p}", "classifier.{p}"),),
+        ),
     )
 }
 
@@ -81,10 +105,24 @@ FAMILIES = {
 
 # Fields that mean the same in BertConfig and EncoderStackConfig.
 BERT_FIELDS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
-    "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings", "type_vocab_size",
-    "initializer_range", "layer_norm_eps", "pad_token_id", "classifier_dropout", "tie_word_embeddings",
-    "id2label", "label2id", "problem_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "hidden_act",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "max_position_embeddings",
+    "type_vocab_size",
+    "initializer_range",
+    "layer_norm_eps",
+    "pad_token_id",
+    "classifier_dropout",
+    "tie_word_embeddings",
+    "id2label",
+    "label2id",
+    "problem_type",
 )
 
 # Keys of a BERT checkpoint that are deliberately not converted, with the reason recorded in conversion.json.
@@ -128,5 +166,6 @@ def task_for_encoderstack_class(class_name: str) -> Task:
         if task.encoderstack_class == class_name and task.name != "next-sentence":
             return task
     known = sorted({task.encoderstack_class for task in TASKS.values()})
-    raise ConversionError(f"architecture {class_name!r} is not an EncoderStack class; expected one of "
-                          f"{', '.join(known)}")
+    raise ConversionError(
+        f"architecture {class_name!r} is not an EncoderStack class; expected one of {', '.join(known)}"
+    )

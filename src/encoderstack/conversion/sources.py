@@ -21,8 +21,15 @@ from ..jsonfile import read_json_object
 from .keymap import ConversionError
 
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
 }
 
@@ -65,7 +72,7 @@ class SafetensorsSource(TensorSource):
             except (SafetensorError, OSError) as error:
                 raise ConversionError(f"{file}: not a readable safetensors file ({error})") from None
             self._handles.append(handle)
-            for key in handle.keys():
+            for key in handle:
                 if key in self._owner:
                     raise ConversionError(f"{file}: tensor {key!r} is also in {self._owner[key][0]}")
                 self._owner[key] = (file, handle)
@@ -151,8 +158,9 @@ def _sharded(folder: Path, index_name: str) -> list[Path]:
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ConversionError(f"{index}: not a readable shard index ({error})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
-        raise ConversionError(f"{index}: weight_map must be an object of tensor name -> shard file name, "
-                              f"got {type(weight_map).__name__}")
+        raise ConversionError(
+            f"{index}: weight_map must be an object of tensor name -> shard file name, got {type(weight_map).__name__}"
+        )
     names = sorted(set(weight_map.values()))
     for name in names:  # a shard index names files of its own folder; anything else is a crafted index
         if Path(name).is_absolute() or ".." in Path(name).parts:
@@ -181,8 +189,12 @@ def open_hf_weights(folder: Path) -> TensorSource | None:
     return None
 
 
-WEIGHT_FILE_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                     "pytorch_model.bin.index.json")
+WEIGHT_FILE_NAMES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 @dataclass
@@ -222,8 +234,10 @@ def copy_other_files(source: Source, folder: Path) -> None:
     def copy_inside(item, destination):
         real = Path(os.path.realpath(item))
         if not any(root == real or root in real.parents for root in roots):
-            raise ConversionError(f"{item}: a link to {real}, outside the source folder; not copied (copy the "
-                                  "file into the folder to include it)")
+            raise ConversionError(
+                f"{item}: a link to {real}, outside the source folder; not copied (copy the "
+                "file into the folder to include it)"
+            )
         shutil.copyfile(item, destination)
 
     for item in sorted(source.folder.iterdir()):

@@ -71,8 +71,10 @@ def architecture(names: set[str], tensors: TFCheckpointSource) -> tuple[str, dic
     if "output_weights" in names:
         shape = tensors.shape("output_weights")
         if len(shape) != 2 or shape[0] < 1:
-            raise ConversionError(f"{tensors.file_of('output_weights')}: variable 'output_weights' has shape "
-                                  f"{list(shape)}; a classifier's is [num_labels >= 1, hidden_size]")
+            raise ConversionError(
+                f"{tensors.file_of('output_weights')}: variable 'output_weights' has shape "
+                f"{list(shape)}; a classifier's is [num_labels >= 1, hidden_size]"
+            )
         return "BertForSequenceClassification", {"num_labels": shape[0]}
     if "cls/squad/output_weights" in names:
         return "BertForQuestionAnswering", {"num_labels": 2}
@@ -125,9 +127,11 @@ def open_tf_source(path: Path, gelu: str = "tanh", lowercase: bool | None = None
     notes = {}
     if config.get("hidden_act") == "gelu":
         config["hidden_act"] = GELU[gelu]
-        notes["gelu"] = (f"{gelu}: hidden_act={GELU[gelu]!r}"
-                         + (" (Google's original, tanh approximation)" if gelu == "tanh"
-                            else " (exact erf form, transformers' historical choice)"))
+        notes["gelu"] = f"{gelu}: hidden_act={GELU[gelu]!r}" + (
+            " (Google's original, tanh approximation)"
+            if gelu == "tanh"
+            else " (exact erf form, transformers' historical choice)"
+        )
     config.update(model_type="bert", architectures=[arch], **extra)
     skipped, bert_names = {}, {}
     for name in sorted(names):
@@ -148,8 +152,18 @@ def open_tf_source(path: Path, gelu: str = "tanh", lowercase: bool | None = None
             BertTokenizer(str(vocab), do_lower_case=lower).save_pretrained(output)
     else:
         notes["tokenizer"] = "none: the checkpoint folder has no vocab.txt"
-    return Source(folder, config, tensors, bert_names, skipped, notes=notes, write_extras=write_tokenizer,
-                  copy_other_files=False, reference="google", config_file="bert_config.json")
+    return Source(
+        folder,
+        config,
+        tensors,
+        bert_names,
+        skipped,
+        notes=notes,
+        write_extras=write_tokenizer,
+        copy_other_files=False,
+        reference="google",
+        config_file="bert_config.json",
+    )
 
 
 __all__ = ["GELU", "TFCheckpointError", "bert_name", "open_tf_source"]

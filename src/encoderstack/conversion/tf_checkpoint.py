@@ -353,13 +353,11 @@ class TFCheckpoint:
 
     def _open_shard(self, name: str, shard_id: int) -> BinaryIO:
         if not 0 <= shard_id < self._num_shards:
-            raise TFCheckpointError(
-                f"{self._where(name)}: shard_id {shard_id} not in [0, {self._num_shards})"
-            )
+            raise TFCheckpointError(f"{self._where(name)}: shard_id {shard_id} not in [0, {self._num_shards})")
         if shard_id not in self._shards:
             path = self._shard_path(shard_id)
             try:
-                self._shards[shard_id] = open(path, "rb")
+                self._shards[shard_id] = open(path, "rb")  # noqa: SIM115  (kept open until close())
             except OSError as error:
                 message = f"{self._where(name)}: cannot open data shard {path}: {error}"
                 raise TFCheckpointError(message) from error

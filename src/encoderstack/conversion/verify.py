@@ -21,8 +21,15 @@ PAIRS = [
     ("Is it raining?", "No."),
     ("What does a tokenizer do?", "It splits text into the pieces a model was trained on."),
 ]
-OUTPUTS = ("last_hidden_state", "pooler_output", "logits", "prediction_logits", "seq_relationship_logits",
-           "start_logits", "end_logits")
+OUTPUTS = (
+    "last_hidden_state",
+    "pooler_output",
+    "logits",
+    "prediction_logits",
+    "seq_relationship_logits",
+    "start_logits",
+    "end_logits",
+)
 
 
 def sample_batches(folder, config, multiple_choice: bool, source=None) -> list[dict]:
@@ -32,12 +39,16 @@ def sample_batches(folder, config, multiple_choice: bool, source=None) -> list[d
     except (OSError, ValueError, TypeError):
         tokenizer = None
     if tokenizer is not None:
-        batches = [dict(tokenizer(SENTENCES, padding=True, return_tensors="pt")),
-                   dict(tokenizer([a for a, _ in PAIRS], [b for _, b in PAIRS], padding=True, return_tensors="pt"))]
+        batches = [
+            dict(tokenizer(SENTENCES, padding=True, return_tensors="pt")),
+            dict(tokenizer([a for a, _ in PAIRS], [b for _, b in PAIRS], padding=True, return_tensors="pt")),
+        ]
         largest = max(batch["input_ids"].max().item() for batch in batches)
         if largest >= config.vocab_size:  # the reference would fail with an IndexError; ours with a ValueError
-            raise ConversionError(f"{source or folder}: the tokenizer gives token id {largest}, but vocab_size is "
-                                  f"{config.vocab_size}: its vocabulary does not belong to these weights")
+            raise ConversionError(
+                f"{source or folder}: the tokenizer gives token id {largest}, but vocab_size is "
+                f"{config.vocab_size}: its vocabulary does not belong to these weights"
+            )
     else:
         generator = torch.Generator().manual_seed(0)
         lengths = torch.tensor([12, 5, 9, 1])
@@ -63,8 +74,9 @@ def run(model, batches, backend) -> list[dict]:
 def on_real_tokens(result: dict) -> dict[str, list[torch.Tensor]]:
     """Every output of one run, restricted to real tokens: name -> tensors (one per layer for the per-layer ones)."""
     out, mask = result["out"], result["mask"]
-    outputs = {name: [real_tokens(getattr(out, name), mask)] for name in OUTPUTS
-               if getattr(out, name, None) is not None}
+    outputs = {
+        name: [real_tokens(getattr(out, name), mask)] for name in OUTPUTS if getattr(out, name, None) is not None
+    }
     outputs["hidden_states"] = [real_tokens(h, mask) for h in out.hidden_states or ()]
     outputs["attentions"] = [a.transpose(1, 2)[mask] for a in out.attentions or ()]  # real queries, every key
     return {name: tensors for name, tensors in outputs.items() if tensors}
@@ -99,8 +111,11 @@ def skipped_outputs(conversion) -> set:
 
 
 def run_converted(folder, conversion, batches, backend, **load) -> list[dict]:
-    ours = getattr(modeling_encoderstack, conversion.task.encoderstack_class).from_pretrained(
-        folder, attn_implementation=backend, **load).eval()
+    ours = (
+        getattr(modeling_encoderstack, conversion.task.encoderstack_class)
+        .from_pretrained(folder, attn_implementation=backend, **load)
+        .eval()
+    )
     converted = run(ours, batches, backend)
     for result in converted:
         check_finite(on_real_tokens(result), f"EncoderStack ({backend})")
@@ -116,10 +131,18 @@ def verify_against_google_bert(tensors, conversion, folder) -> dict:
 
     reference = GoogleBert(tensors, conversion.config, conversion.task.name)
     batches = sample_batches(folder, conversion.config, False, folder)
-    expected = [{"out": SimpleNamespace(attentions=None, **reference.outputs(batch)),
-                 "mask": batch["attention_mask"].bool()} for batch in batches]
-    results = {backend: compare(expected, run_converted(folder, conversion, batches, backend, dtype=torch.float32),
-                                skipped_outputs(conversion)) for backend in ("eager", "sdpa")}
+    expected = [
+        {"out": SimpleNamespace(attentions=None, **reference.outputs(batch)), "mask": batch["attention_mask"].bool()}
+        for batch in batches
+    ]
+    results = {
+        backend: compare(
+            expected,
+            run_converted(folder, conversion, batches, backend, dtype=torch.float32),
+            skipped_outputs(conversion),
+        )
+        for backend in ("eager", "sdpa")
+    }
     return {
         "reference": "Google BERT's math (float64 numpy over the TensorFlow variables)",
         "inputs": "tokenizer: sentences and sentence pairs, padded" if len(batches) > 1 else "random ids, padded",

@@ -53,8 +53,9 @@ def corpus_text(corpus: str, where: Path, seed: int) -> Iterator[CorpusText]:
         scratch = Path(scratch)
         path = stdlib_corpus(scratch / "stdlib.txt") if corpus == STDLIB else Path(corpus)
         files = {f: sha256(f) for f in text_files(path)}
-        tokenizer, train_set, eval_set, data = prepare_text(files, {}, path, scratch / "data", None, None, VOCAB_SIZE,
-                                                            None, MAX_LENGTH, MLM_PROBABILITY, False, seed)
+        tokenizer, train_set, eval_set, data = prepare_text(
+            files, {}, path, scratch / "data", None, None, VOCAB_SIZE, None, MAX_LENGTH, MLM_PROBABILITY, False, seed
+        )
         if corpus == STDLIB:  # the file lived in the scratch folder; what identifies it is the Python that wrote it
             data["train"][0]["file"] = f"stdlib.txt (stdlib_corpus of Python {sys.version.split()[0]})"
         data["corpus"] = corpus
@@ -69,16 +70,29 @@ def padded_batch(rows: dict, pad_token_id: int) -> dict:
     def pad(values, fill):
         return torch.tensor([row + [fill] * (longest - len(row)) for row in values])
 
-    return {"input_ids": pad(rows["input_ids"], pad_token_id), "labels": pad(rows["labels"], -100),
-            "attention_mask": pad([[1] * len(row) for row in rows["input_ids"]], 0)}
+    return {
+        "input_ids": pad(rows["input_ids"], pad_token_id),
+        "labels": pad(rows["labels"], -100),
+        "attention_mask": pad([[1] * len(row) for row in rows["input_ids"]], 0),
+    }
 
 
 def pretrain_settings(steps: int, lr: float, warmup_steps: int, seed: int) -> dict:
     """pretrain's settings for a comparison run: a constant learning rate after a linear warm-up, as synthetic runs."""
-    return {"mlm_probability": MLM_PROBABILITY, "whole_word_mask": False, "max_length": MAX_LENGTH,
-            "max_steps": steps, "epochs": None, "batch_size": BATCH_SIZE, "learning_rate": lr,
-            "warmup_steps": warmup_steps, "warmup_ratio": None, "scheduler": "constant", "seed": seed,
-            "eval_steps": None}
+    return {
+        "mlm_probability": MLM_PROBABILITY,
+        "whole_word_mask": False,
+        "max_length": MAX_LENGTH,
+        "max_steps": steps,
+        "epochs": None,
+        "batch_size": BATCH_SIZE,
+        "learning_rate": lr,
+        "warmup_steps": warmup_steps,
+        "warmup_ratio": None,
+        "scheduler": "constant",
+        "seed": seed,
+        "eval_steps": None,
+    }
 
 
 class StepLosses(transformers.TrainerCallback):
@@ -97,8 +111,17 @@ class StepLosses(transformers.TrainerCallback):
 def comparison_trainer(model, text: CorpusText, settings: dict, scratch: Path, callbacks=()) -> transformers.Trainer:
     """pretrain's Trainer, except: no checkpoints or evaluations during the run, the loss of every step (NaN/inf kept,
     not filtered out) and no gradient clipping, which would hide the instability the comparison looks for."""
-    args = training_arguments(settings, scratch, eval_strategy="no", save_strategy="no", load_best_model_at_end=False,
-                              logging_steps=1, logging_nan_inf_filter=False, max_grad_norm=0.0, disable_tqdm=True)
+    args = training_arguments(
+        settings,
+        scratch,
+        eval_strategy="no",
+        save_strategy="no",
+        load_best_model_at_end=False,
+        logging_steps=1,
+        logging_nan_inf_filter=False,
+        max_grad_norm=0.0,
+        disable_tqdm=True,
+    )
     return mlm_trainer(model, args, text.tokenizer, text.train_set, text.eval_set, settings, callbacks=list(callbacks))
 
 
@@ -114,8 +137,9 @@ def text_trainer(text: CorpusText, steps: int, lr: float, seed: int, scratch: Pa
 
     def train(model, warmup_steps: int):
         losses = StepLosses()
-        trainer = comparison_trainer(copy.deepcopy(model), text, pretrain_settings(steps, lr, warmup_steps, seed),
-                                     scratch, [losses])
+        trainer = comparison_trainer(
+            copy.deepcopy(model), text, pretrain_settings(steps, lr, warmup_steps, seed), scratch, [losses]
+        )
         trainer.train()
         return losses.losses, trainer.model.eval()
 
@@ -129,15 +153,20 @@ def text_trainer(text: CorpusText, steps: int, lr: float, seed: int, scratch: Pa
 def describe(text: CorpusText) -> str:
     data = text.data
     files = ", ".join(f"`{entry['file']}` (sha256 `{entry['sha256'][:12]}…`)" for entry in data["train"])
-    source = ("the prose of the installed Python's standard-library docstrings (`encoderstack.pretrain.stdlib_corpus`"
-              ", PSF licence)" if text.name == STDLIB else f"`{text.name}`")
-    return (f"**Corpus**: {source}: {files}. Read, split and tokenized by `encoderstack pretrain`'s data path: a "
-            f"held-out tenth of the documents for evaluation ({data['eval']}), a lower-cased WordPiece tokenizer of "
-            f"{len(text.tokenizer)} tokens trained on the training documents, each document's tokens cut into "
-            f"sequences of at most {MAX_LENGTH} (`[CLS] ... [SEP]`). Training text: {data['train_sequences']} "
-            f"sequences, {data['train_tokens']} tokens; evaluation text: {data['eval_sequences']} sequences, "
-            f"{data['eval_tokens']} tokens, {data['eval_masked_tokens']} of them masked (once, seed "
-            f"{EVAL_MASK_SEED}). Each training batch is {BATCH_SIZE} sequences, each masked on its own "
-            f"({MLM_PROBABILITY:.0%}, BERT's 80/10/10), flattened into one row without padding. The measurements use "
-            f"the first {len(text.batch['input_ids'])} masked evaluation sequences, padded into one batch.")
-
+    source = (
+        "the prose of the installed Python's standard-library docstrings (`encoderstack.pretrain.stdlib_corpus`"
+        ", PSF licence)"
+        if text.name == STDLIB
+        else f"`{text.name}`"
+    )
+    return (
+        f"**Corpus**: {source}: {files}. Read, split and tokenized by `encoderstack pretrain`'s data path: a "
+        f"held-out tenth of the documents for evaluation ({data['eval']}), a lower-cased WordPiece tokenizer of "
+        f"{len(text.tokenizer)} tokens trained on the training documents, each document's tokens cut into "
+        f"sequences of at most {MAX_LENGTH} (`[CLS] ... [SEP]`). Training text: {data['train_sequences']} "
+        f"sequences, {data['train_tokens']} tokens; evaluation text: {data['eval_sequences']} sequences, "
+        f"{data['eval_tokens']} tokens, {data['eval_masked_tokens']} of them masked (once, seed "
+        f"{EVAL_MASK_SEED}). Each training batch is {BATCH_SIZE} sequences, each masked on its own "
+        f"({MLM_PROBABILITY:.0%}, BERT's 80/10/10), flattened into one row without padding. The measurements use "
+        f"the first {len(text.batch['input_ids'])} masked evaluation sequences, padded into one batch."
+    )

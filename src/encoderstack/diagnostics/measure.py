@@ -101,8 +101,10 @@ def consecutive_layer_similarity(model: EncoderStackPreTrainedModel, batch: dict
     curves = {"hidden": streams.hidden}
     if streams.dual is not None:
         curves["dual"] = streams.dual
-    return {name: [mean_cosine(before, after, streams.real_tokens) for before, after in zip(states, states[1:])]
-            for name, states in curves.items()}
+    return {
+        name: [mean_cosine(before, after, streams.real_tokens) for before, after in zip(states, states[1:])]
+        for name, states in curves.items()
+    }
 
 
 def readout_surrogate_loss(last_hidden_state: torch.Tensor, real_tokens: torch.Tensor, seed: int = 0) -> torch.Tensor:
@@ -124,8 +126,9 @@ def gradient_norms_per_layer(model: EncoderStackPreTrainedModel, batch: dict) ->
         if isinstance(model, EncoderStackForMaskedLM):
             loss = model(**model_inputs(batch), labels=batch["labels"]).loss
         else:
-            loss = readout_surrogate_loss(model.base_model(**model_inputs(batch)).last_hidden_state,
-                                          real_token_mask(batch))
+            loss = readout_surrogate_loss(
+                model.base_model(**model_inputs(batch)).last_hidden_state, real_token_mask(batch)
+            )
         loss.backward()
         norms = [layer_gradient_norm(layer) for layer in model.base_model.layers]
         model.zero_grad(set_to_none=True)

@@ -31,8 +31,15 @@ def stream_series(curves: dict[str, list[float]]) -> Series:
     return series
 
 
-def plot_grid(path: Path, results: list[dict], rows: list[tuple[str, Callable[[dict], Series]]], xlabel: str,
-              ylabel: str, first_x: int, log_scale: bool) -> None:
+def plot_grid(
+    path: Path,
+    results: list[dict],
+    rows: list[tuple[str, Callable[[dict], Series]]],
+    xlabel: str,
+    ylabel: str,
+    first_x: int,
+    log_scale: bool,
+) -> None:
     """One row per (title, series of a result), one column per depth; x counts from `first_x`."""
     matplotlib = require_matplotlib()
     depths = sorted({result["num_layers"] for result in results})
@@ -42,8 +49,14 @@ def plot_grid(path: Path, results: list[dict], rows: list[tuple[str, Callable[[d
         for depth, ax in zip(depths, row_axes):
             for result in (r for r in results if r["num_layers"] == depth):
                 for suffix, values, style in series_of(result):
-                    ax.plot(range(first_x, first_x + len(values)), values, style, color=COLORS[result["placement"]],
-                            label=result["placement"] + suffix, linewidth=1.2)
+                    ax.plot(
+                        range(first_x, first_x + len(values)),
+                        values,
+                        style,
+                        color=COLORS[result["placement"]],
+                        label=result["placement"] + suffix,
+                        linewidth=1.2,
+                    )
             ax.set_title(f"{depth} layers, {row_title}", fontsize=9)
             ax.set_xlabel(xlabel, fontsize=8)
             ax.set_ylabel(ylabel, fontsize=8)
@@ -74,18 +87,33 @@ def draw_gradient_norms(path: Path, results: list[dict]) -> None:
 
 
 def draw_activation_rms(path: Path, results: list[dict]) -> None:
-    plot_grid(path, results, per_schedule("activation_rms"), "layer i (0: embeddings)", "RMS after layer i",
-              first_x=0, log_scale=True)
+    plot_grid(
+        path,
+        results,
+        per_schedule("activation_rms"),
+        "layer i (0: embeddings)",
+        "RMS after layer i",
+        first_x=0,
+        log_scale=True,
+    )
 
 
 def draw_layer_similarity(path: Path, results: list[dict]) -> None:
-    plot_grid(path, results, per_schedule("similarity"), "layer i", "cos(layer i-1, layer i)", first_x=1,
-              log_scale=False)
+    plot_grid(
+        path, results, per_schedule("similarity"), "layer i", "cos(layer i-1, layer i)", first_x=1, log_scale=False
+    )
 
 
 def draw_loss_curves(path: Path, results: list[dict]) -> None:
-    plot_grid(path, results, per_schedule("losses", SCHEDULES[1:], single_series), "step", "training loss",
-              first_x=1, log_scale=False)
+    plot_grid(
+        path,
+        results,
+        per_schedule("losses", SCHEDULES[1:], single_series),
+        "step",
+        "training loss",
+        first_x=1,
+        log_scale=False,
+    )
 
 
 FIGURES = {

@@ -59,16 +59,25 @@ class ReportSettings:
     def command(self) -> str:
         warmup = "" if self.warmup is None else f" --warmup-steps {self.warmup}"
         corpus = "" if self.corpus is None else f" --corpus {self.corpus}"
-        return (f"encoderstack diagnose --layers {','.join(map(str, self.layers))} "
-                f"--placements {','.join(self.placements)} --steps {self.steps} --hidden-size {self.hidden_size} "
-                f"--lr {self.lr:g} --seed {self.seed}{warmup}{corpus}")
+        return (
+            f"encoderstack diagnose --layers {','.join(map(str, self.layers))} "
+            f"--placements {','.join(self.placements)} --steps {self.steps} --hidden-size {self.hidden_size} "
+            f"--lr {self.lr:g} --seed {self.seed}{warmup}{corpus}"
+        )
 
 
 QUICK = ReportSettings(layers=(2, 6), steps=40, hidden_size=32)
 
 
-def measure_placement(placement: str, num_layers: int, initial, batch: dict, train: Callable, warmup_steps: int,
-                      evaluate: Callable | None = None) -> dict:
+def measure_placement(
+    placement: str,
+    num_layers: int,
+    initial,
+    batch: dict,
+    train: Callable,
+    warmup_steps: int,
+    evaluate: Callable | None = None,
+) -> dict:
     """All measurements of one initialization on `batch`, then of `train(initial, warmup)` (-> losses, trained
     model) with and without warm-up; with `evaluate` (model -> loss), the evaluation loss of each of them."""
     result = {
@@ -96,12 +105,14 @@ def diagnose_placement(placement: str, num_layers: int, settings: ReportSettings
     batch = SyntheticMLMTask().sample(MEASUREMENT_BATCH_SIZE, torch.Generator().manual_seed(settings.seed))
 
     def train(initial, warmup_steps):
-        run = train_synthetic_mlm(config, settings.steps, settings.lr, warmup_steps, settings.seed,
-                                  batch_size=TRAINING_BATCH_SIZE)
+        run = train_synthetic_mlm(
+            config, settings.steps, settings.lr, warmup_steps, settings.seed, batch_size=TRAINING_BATCH_SIZE
+        )
         return run.losses, run.model
 
-    return measure_placement(placement, num_layers, build_masked_lm(config, settings.seed), batch, train,
-                             settings.warmup_steps)
+    return measure_placement(
+        placement, num_layers, build_masked_lm(config, settings.seed), batch, train, settings.warmup_steps
+    )
 
 
 def diagnose_on_text(placement: str, num_layers: int, settings: ReportSettings, text: CorpusText, scratch) -> dict:
@@ -124,8 +135,9 @@ def single_threaded():
         torch.set_num_threads(threads)
 
 
-def run_report(out, settings: ReportSettings = ReportSettings(), force: bool = False,
-               progress: Callable[[str], None] | None = None) -> Path:
+def run_report(
+    out, settings: ReportSettings = ReportSettings(), force: bool = False, progress: Callable[[str], None] | None = None
+) -> Path:
     """Measure every placement at every depth and write the report folder `out`; returns its path.
 
     An existing `out` is refused unless `force`, before any work; the folder is built in a hidden sibling and
@@ -142,13 +154,22 @@ def run_report(out, settings: ReportSettings = ReportSettings(), force: bool = F
         for num_layers in settings.layers:
             for placement in settings.placements:
                 start = time.perf_counter()
-                results.append(diagnose_placement(placement, num_layers, settings) if text is None else
-                               diagnose_on_text(placement, num_layers, settings, text, scratch))
+                results.append(
+                    diagnose_placement(placement, num_layers, settings)
+                    if text is None
+                    else diagnose_on_text(placement, num_layers, settings, text, scratch)
+                )
                 if progress is not None:
                     progress(f"{placement:<10} {num_layers:>3} layers  {time.perf_counter() - start:6.1f} s")
         elapsed = time.perf_counter() - began
-        record = {"settings": asdict(settings), "wall_seconds": round(elapsed, 1), "threads": 1,
-                  "cpu_count": os.cpu_count(), **({"data": text.data} if text else {}), "results": results}
+        record = {
+            "settings": asdict(settings),
+            "wall_seconds": round(elapsed, 1),
+            "threads": 1,
+            "cpu_count": os.cpu_count(),
+            **({"data": text.data} if text else {}),
+            "results": results,
+        }
         with output as folder:
             write_figures(results, folder)
             (folder / "results.json").write_text(json.dumps(record) + "\n")
@@ -162,8 +183,9 @@ def number(value: float) -> str:
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(number(cell) if isinstance(cell, float) else str(cell) for cell in row) + " |"
-              for row in rows]
+    lines += [
+        "| " + " | ".join(number(cell) if isinstance(cell, float) else str(cell) for cell in row) + " |" for row in rows
+    ]
     return "\n".join(lines)
 
 
@@ -174,13 +196,18 @@ def stream_rows(results: list[dict], measurement: str, summary: Callable[[list[f
         curves = result[measurement]
         for stream, label in (("hidden", result["placement"]), ("dual", f"{result['placement']} (d stream)")):
             if stream in curves["init"]:
-                rows.append([label, result["num_layers"],
-                             *(summary(curves[key][stream]) for key in ("init", "warmup", "no_warmup"))])
+                rows.append(
+                    [
+                        label,
+                        result["num_layers"],
+                        *(summary(curves[key][stream]) for key in ("init", "warmup", "no_warmup")),
+                    ]
+                )
     return rows
 
 
 def upper_half_mean(values: list[float]) -> float:
-    upper = values[len(values) // 2:]
+    upper = values[len(values) // 2 :]
     return sum(upper) / len(upper)
 
 
@@ -192,39 +219,78 @@ predictable from its neighbours and, unless its partner is masked too, exactly f
 The measurements use one fixed batch of {MEASUREMENT_BATCH_SIZE} sequences."""
 
 
-TOKENIZER_TIES = (", except that `tokenizers` breaks ties between equally frequent WordPiece merges in hash order: "
-                  "another run can learn a slightly different vocabulary, hence slightly different numbers. Within "
-                  "one report every run reads the same tokens.")
+TOKENIZER_TIES = (
+    ", except that `tokenizers` breaks ties between equally frequent WordPiece merges in hash order: "
+    "another run can learn a slightly different vocabulary, hence slightly different numbers. Within "
+    "one report every run reads the same tokens."
+)
 
 
 def training_text(settings: ReportSettings, text: CorpusText | None) -> str:
     if text is None:
-        how = (f"AdamW (lr {settings.lr:g}, weight decay 0.01, no gradient clipping) on batches of "
-               f"{TRAINING_BATCH_SIZE} sequences")
+        how = (
+            f"AdamW (lr {settings.lr:g}, weight decay 0.01, no gradient clipping) on batches of "
+            f"{TRAINING_BATCH_SIZE} sequences"
+        )
     else:
-        how = (f"`encoderstack pretrain`'s Trainer settings (AdamW, lr {settings.lr:g}, weight decay 0.01, seed "
-               f"{settings.seed}, scheduler `constant`) but no gradient clipping and no checkpoints; the evaluation "
-               "loss is the masked-LM loss over every masked token of the evaluation text")
-    return (f"**Training**: {settings.steps} steps of {how}. *Warm-up*: the learning rate rises linearly over the "
-            f"first {settings.warmup_steps} steps, then stays constant; *no warm-up*: constant from the first step. "
-            "A run **diverged** when its loss becomes NaN/inf (the run stops there) or its final loss (the mean of the "
-            "last tenth of the steps) is above its first.")
+        how = (
+            f"`encoderstack pretrain`'s Trainer settings (AdamW, lr {settings.lr:g}, weight decay 0.01, seed "
+            f"{settings.seed}, scheduler `constant`) but no gradient clipping and no checkpoints; the evaluation "
+            "loss is the masked-LM loss over every masked token of the evaluation text"
+        )
+    return (
+        f"**Training**: {settings.steps} steps of {how}. *Warm-up*: the learning rate rises linearly over the "
+        f"first {settings.warmup_steps} steps, then stays constant; *no warm-up*: constant from the first step. "
+        "A run **diverged** when its loss becomes NaN/inf (the run stops there) or its final loss (the mean of the "
+        "last tenth of the steps) is above its first."
+    )
 
 
-def render_index(results: list[dict], settings: ReportSettings, text: CorpusText | None = None,
-                 elapsed: float | None = None) -> str:
+def render_index(
+    results: list[dict], settings: ReportSettings, text: CorpusText | None = None, elapsed: float | None = None
+) -> str:
     schedules = ["at init", "trained, warm-up", "trained, no warm-up"]
-    gradient_rows = [[r["placement"], r["num_layers"], r["gradient_norms"][0], r["gradient_norms"][-1],
-                      r["gradient_norms"][-1] / r["gradient_norms"][0]] for r in results]
+    gradient_rows = [
+        [
+            r["placement"],
+            r["num_layers"],
+            r["gradient_norms"][0],
+            r["gradient_norms"][-1],
+            r["gradient_norms"][-1] / r["gradient_norms"][0],
+        ]
+        for r in results
+    ]
     evaluated = text is not None
-    training_rows = [[r["placement"], r["num_layers"], schedule, r["losses"][key][0], final_loss(r["losses"][key]),
-                      *([r["eval_loss"]["init"], r["eval_loss"][key]] if evaluated else []),
-                      divergence(r["losses"][key]) or "no"]
-                     for r in results for schedule, key in (("yes", "warmup"), ("no", "no_warmup"))]
-    training_header = ["placement", "layers", "warm-up", "first loss", "final loss",
-                       *(["eval loss at init", "eval loss after"] if evaluated else []), "diverged"]
-    budget = "" if elapsed is None else (f"\nIt ran in {elapsed / 60:.1f} minutes of wall clock on one thread "
-                                         f"(`torch.set_num_threads(1)`), on a machine with {os.cpu_count()} CPU cores.")
+    training_rows = [
+        [
+            r["placement"],
+            r["num_layers"],
+            schedule,
+            r["losses"][key][0],
+            final_loss(r["losses"][key]),
+            *([r["eval_loss"]["init"], r["eval_loss"][key]] if evaluated else []),
+            divergence(r["losses"][key]) or "no",
+        ]
+        for r in results
+        for schedule, key in (("yes", "warmup"), ("no", "no_warmup"))
+    ]
+    training_header = [
+        "placement",
+        "layers",
+        "warm-up",
+        "first loss",
+        "final loss",
+        *(["eval loss at init", "eval loss after"] if evaluated else []),
+        "diverged",
+    ]
+    budget = (
+        ""
+        if elapsed is None
+        else (
+            f"\nIt ran in {elapsed / 60:.1f} minutes of wall clock on one thread "
+            f"(`torch.set_num_threads(1)`), on a machine with {os.cpu_count()} CPU cores."
+        )
+    )
     return f"""# Why normalization placement matters: diagnostics{" on real text" if evaluated else ""}
 
 Written by `{settings.command}`.

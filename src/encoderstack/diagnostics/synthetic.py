@@ -30,8 +30,9 @@ class SyntheticMLMTask:
 
     def __init__(self):
         generator = torch.Generator().manual_seed(GRAMMAR_SEED)
-        self.successors = torch.stack([torch.randperm(NUM_CONTENT, generator=generator)[:SUCCESSORS]
-                                       for _ in range(NUM_CONTENT)])
+        self.successors = torch.stack(
+            [torch.randperm(NUM_CONTENT, generator=generator)[:SUCCESSORS] for _ in range(NUM_CONTENT)]
+        )
         self.permutation = torch.randperm(NUM_CONTENT, generator=generator)
 
     @property
@@ -65,23 +66,24 @@ def diagnostic_config(norm_placement: str, num_layers: int, hidden_size: int = 6
     measurement and training run is a deterministic function of the seed), and rotary positions: with BERT's learned
     positions starting from N(0, 0.02), a 6-layer pre-LN model at width 64 needs ~250 steps to start using the
     neighbour and partner positions (loss 3.54 -> 2.2 after 300 steps at lr 1e-3); with rotary ones, -> 0.4."""
-    return EncoderStackConfig(**{"vocab_size": TASK_VOCAB_SIZE, **diagnostic_fields(norm_placement, num_layers,
-                                                                                     hidden_size), **overrides})
+    return EncoderStackConfig(
+        **{"vocab_size": TASK_VOCAB_SIZE, **diagnostic_fields(norm_placement, num_layers, hidden_size), **overrides}
+    )
 
 
 def diagnostic_fields(norm_placement: str, num_layers: int, hidden_size: int) -> dict:
     """The config fields of `diagnostic_config` but the vocabulary, which is the task's (or the tokenizer's)."""
-    return dict(
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        intermediate_size=4 * hidden_size,
-        max_position_embeddings=64,
-        position_embedding_type="rope",
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        norm_placement=norm_placement,
-    )
+    return {
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "intermediate_size": 4 * hidden_size,
+        "max_position_embeddings": 64,
+        "position_embedding_type": "rope",
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "norm_placement": norm_placement,
+    }
 
 
 def build_masked_lm(config: EncoderStackConfig, seed: int) -> EncoderStackForMaskedLM:
@@ -91,7 +93,7 @@ def build_masked_lm(config: EncoderStackConfig, seed: int) -> EncoderStackForMas
 
 def final_loss(losses: list[float]) -> float:
     """The mean of the last tenth of the steps (at least one), so that one noisy batch does not decide."""
-    tail = losses[-max(1, len(losses) // 10):]
+    tail = losses[-max(1, len(losses) // 10) :]
     return sum(tail) / len(tail)
 
 
@@ -117,8 +119,14 @@ class TrainingRun:
         return divergence(self.losses)
 
 
-def train_synthetic_mlm(model_or_config: EncoderStackForMaskedLM | EncoderStackConfig, steps: int, lr: float,
-                        warmup_steps: int = 0, seed: int = 0, batch_size: int = 32) -> TrainingRun:
+def train_synthetic_mlm(
+    model_or_config: EncoderStackForMaskedLM | EncoderStackConfig,
+    steps: int,
+    lr: float,
+    warmup_steps: int = 0,
+    seed: int = 0,
+    batch_size: int = 32,
+) -> TrainingRun:
     """AdamW (weight decay 0.01), learning rate rising linearly over `warmup_steps` and constant after, no gradient
     clipping (it would hide the instability this run is meant to show). A config is built with weights from `seed`;
     a model is trained in place. Batches are drawn from `seed`."""

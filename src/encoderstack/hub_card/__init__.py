@@ -31,8 +31,13 @@ HEADS = {
     "EncoderStackForMultipleChoice": (None, "multiple-choice model"),
 }
 AUTO_CLASSES = {reference.split(".")[-1]: auto_name for auto_name, reference in AUTO_MAP.items()}
-PLACEMENT_TAGS = {"post": "post-ln", "pre": "pre-ln", "sandwich": "sandwich-ln", "deepnorm": "deepnorm",
-                  "resi_dual": "resi-dual"}
+PLACEMENT_TAGS = {
+    "post": "post-ln",
+    "pre": "pre-ln",
+    "sandwich": "sandwich-ln",
+    "deepnorm": "deepnorm",
+    "resi_dual": "resi-dual",
+}
 # Facts about the weights, not about this particular folder: they hold for the converted model as for its source.
 CARRIED_METADATA = ("license", "license_name", "license_link", "language", "datasets", "metrics")
 
@@ -93,13 +98,18 @@ def architecture_rows(config: EncoderStackConfig, class_name: str) -> list[tuple
         ("norm placement", f"`{config.norm_placement}`: {PLACEMENT_EQUATIONS[config.norm_placement]}"),
         ("layers", config.num_hidden_layers),
         ("hidden size", config.hidden_size),
-        ("attention heads",
-         f"{config.num_attention_heads} (head size {config.hidden_size // config.num_attention_heads})"),
+        (
+            "attention heads",
+            f"{config.num_attention_heads} (head size {config.hidden_size // config.num_attention_heads})",
+        ),
         ("intermediate size", config.intermediate_size),
         ("activation", f"`{config.hidden_act}`"),
         ("positions", f"`{config.position_embedding_type}`: {positions}"),
-        ("norm type", f"`{config.norm_type}` (eps {config.layer_norm_eps:g}), "
-                      f"{'with' if config.embedding_norm else 'without'} an embedding norm"),
+        (
+            "norm type",
+            f"`{config.norm_type}` (eps {config.layer_norm_eps:g}), "
+            f"{'with' if config.embedding_norm else 'without'} an embedding norm",
+        ),
         ("vocabulary", f"{config.vocab_size} tokens, {config.type_vocab_size} token types"),
         ("parameters", f"{parameters / 1e6:.1f}M" if parameters >= 1e5 else f"{parameters:,}"),
     ]
@@ -108,8 +118,11 @@ def architecture_rows(config: EncoderStackConfig, class_name: str) -> list[tuple
 def provenance(conversion: dict) -> dict:
     """conversion.json, as the card shows it. A local source shows only its folder name: the card is public."""
     hub_id = conversion.get("source_hub_id")
-    source = (f"[`{hub_id}`](https://huggingface.co/{hub_id})" if hub_id
-              else f"in the local folder `{Path(conversion['source']).name}`")
+    source = (
+        f"[`{hub_id}`](https://huggingface.co/{hub_id})"
+        if hub_id
+        else f"in the local folder `{Path(conversion['source']).name}`"
+    )
     parity = conversion.get("parity")
     if parity is not None:
         backends, rows = parity_rows(parity)
@@ -134,8 +147,9 @@ def build_card(folder, repo_id: str | None = None, extra_tags=()) -> ModelCard:
         base_model=(conversion or {}).get("source_hub_id"),
         **carried_metadata(folder),
     )
-    environment = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
-                                     undefined=jinja2.StrictUndefined)
+    environment = jinja2.Environment(
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined
+    )
     environment.filters["cell"] = table_cell
     environment.filters["name"] = lambda path: Path(path).name  # local paths stay private: the card is public
     template = environment.from_string(files(__package__).joinpath("model_card.md").read_text(encoding="utf-8"))
@@ -153,7 +167,8 @@ def build_card(folder, repo_id: str | None = None, extra_tags=()) -> ModelCard:
         finetune=read_conversion(folder, "finetune.json"),
         pretrain=read_conversion(folder, "pretrain.json"),
         has_loss_plot=(folder / "loss.png").is_file(),
-        labels=sorted(config.id2label.items()) if pipeline_tag in ("text-classification", "token-classification")
+        labels=sorted(config.id2label.items())
+        if pipeline_tag in ("text-classification", "token-classification")
         else [],
     )
     return ModelCard(content)
