@@ -22,8 +22,10 @@ def parity_table(parity: dict) -> str:
 
     backends, rows = parity_rows(parity, missing="-")
     width = max(len(name) for name, _ in rows) + 2
-    lines = [f"max |EncoderStack - {parity['reference']}| on real tokens ({parity['inputs']})",
-             f"{'output':<{width}}" + "".join(f"{b:>12}" for b in backends)]
+    lines = [
+        f"max |EncoderStack - {parity['reference']}| on real tokens ({parity['inputs']})",
+        f"{'output':<{width}}" + "".join(f"{b:>12}" for b in backends),
+    ]
     for name, cells in rows:
         lines.append(f"{name:<{width}}" + "".join(f"{cell:>12}" for cell in cells))
     ok = all(row["max_abs_diff"] <= parity["tolerance"] for results in parity["results"].values() for row in results)
@@ -36,13 +38,22 @@ def convert_command(args) -> int:
 
     source = args.source if args.source is not None else embedded_default()
     output = args.output if args.output is not None else DEFAULT_OUTPUT
-    folder = convert(source, output, task=args.task, verify=not args.no_verify, force=args.force, gelu=args.gelu,
-                     lowercase=args.lowercase)
+    folder = convert(
+        source,
+        output,
+        task=args.task,
+        verify=not args.no_verify,
+        force=args.force,
+        gelu=args.gelu,
+        lowercase=args.lowercase,
+    )
     report = json.loads((folder / "conversion.json").read_text())
     print(f"converted {source} -> {folder}")
-    print(f"  {report['source_architecture'] or 'BERT'} -> {report['encoderstack_class']} "
-          f"(norm_placement={report['norm_placement']}), {len(report['mapped'])} tensors mapped, "
-          f"{len(report['skipped'])} skipped, {len(report['initialized'])} newly initialized")
+    print(
+        f"  {report['source_architecture'] or 'BERT'} -> {report['encoderstack_class']} "
+        f"(norm_placement={report['norm_placement']}), {len(report['mapped'])} tensors mapped, "
+        f"{len(report['skipped'])} skipped, {len(report['initialized'])} newly initialized"
+    )
     for note in ("gelu", "tokenizer"):
         if note in report:
             print(f"  {note}: {report[note]}")
@@ -78,12 +89,21 @@ def quantization_table(quantization: dict) -> str:
 def export_onnx_command(args) -> int:
     from . import export_onnx
 
-    folder = export_onnx(args.model, args.output, task=args.task, opset=args.opset, quantize=args.quantize,
-                         verify=not args.no_verify, force=args.force)
+    folder = export_onnx(
+        args.model,
+        args.output,
+        task=args.task,
+        opset=args.opset,
+        quantize=args.quantize,
+        verify=not args.no_verify,
+        force=args.force,
+    )
     report = json.loads((folder / "export.json").read_text())
     print(f"exported {args.model} -> {folder / 'model.onnx'}")
-    print(f"  {report['encoderstack_class']} (norm_placement={report['norm_placement']}), opset {report['opset']}, "
-          f"{report['graph']}; outputs: {', '.join(report['outputs'])}")
+    print(
+        f"  {report['encoderstack_class']} (norm_placement={report['norm_placement']}), opset {report['opset']}, "
+        f"{report['graph']}; outputs: {', '.join(report['outputs'])}"
+    )
     if "parity" in report:
         print(parity_table(report["parity"]))
     if "quantization" in report:
@@ -98,10 +118,21 @@ def finetune_command(args) -> int:
     if model is None:  # the main job's output if it is there, else the embedded BERT, converted on the fly
         model = DEFAULT_OUTPUT if Path(DEFAULT_OUTPUT).is_dir() else str(embedded_default())
     defaults = {key: value for key, value in (("train", args.train), ("eval", args.eval)) if value is not None}
-    record = finetune(model, args.output, task=args.task, epochs=args.epochs, batch_size=args.batch_size,
-                      learning_rate=args.lr, max_length=args.max_length, seed=args.seed,
-                      gradient_accumulation_steps=args.gradient_accumulation_steps, force=args.force,
-                      optim=args.optim, packing=args.packing, **defaults)
+    record = finetune(
+        model,
+        args.output,
+        task=args.task,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        learning_rate=args.lr,
+        max_length=args.max_length,
+        seed=args.seed,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        force=args.force,
+        optim=args.optim,
+        packing=args.packing,
+        **defaults,
+    )
     print(f"fine-tuned {model} on {record['train']} ({record['train_rows']} rows) -> {args.output}")
     for name in (name for name in record["after"] if name != "loss"):
         print(f"  {name} on {record['eval']}: {record['before'][name]:.3f} before -> {record['after'][name]:.3f} after")
@@ -112,22 +143,43 @@ def finetune_command(args) -> int:
 def pretrain_command(args) -> int:
     from .pretrain import pretrain
 
-    record = pretrain(model=args.model, config=args.config, tokenizer=args.tokenizer,
-                      train_tokenizer=args.train_tokenizer, train=args.train, eval=args.eval, output=args.output,
-                      mlm_probability=args.mlm_probability, whole_word_mask=args.whole_word_mask,
-                      max_length=args.max_length, max_steps=args.max_steps, epochs=args.epochs,
-                      batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
-                      warmup_ratio=args.warmup_ratio, scheduler=args.scheduler, seed=args.seed,
-                      eval_steps=args.eval_steps, resume=args.resume, force=args.force, num_proc=args.num_proc)
+    record = pretrain(
+        model=args.model,
+        config=args.config,
+        tokenizer=args.tokenizer,
+        train_tokenizer=args.train_tokenizer,
+        train=args.train,
+        eval=args.eval,
+        output=args.output,
+        mlm_probability=args.mlm_probability,
+        whole_word_mask=args.whole_word_mask,
+        max_length=args.max_length,
+        max_steps=args.max_steps,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        warmup_ratio=args.warmup_ratio,
+        scheduler=args.scheduler,
+        seed=args.seed,
+        eval_steps=args.eval_steps,
+        resume=args.resume,
+        force=args.force,
+        num_proc=args.num_proc,
+    )
     data = record["data"]
-    print(f"pre-trained {args.model or 'a fresh model'} on {args.train} ({data['train_sequences']} sequences, "
-          f"{data['train_tokens']} tokens) for {record['steps']} steps -> {args.output}")
+    print(
+        f"pre-trained {args.model or 'a fresh model'} on {args.train} ({data['train_sequences']} sequences, "
+        f"{data['train_tokens']} tokens) for {record['steps']} steps -> {args.output}"
+    )
     if args.model is not None and record["initialized"]:
         print(f"  newly initialized (not in {args.model}): {', '.join(record['initialized'])}")
     before, after = record["before"], record["after"]
-    print(f"  eval masked-LM loss {before['mlm_loss']:.3f} -> {after['mlm_loss']:.3f}, perplexity "
-          f"{before['perplexity']:.1f} -> {after['perplexity']:.1f}, masked-token accuracy {before['accuracy']:.3f} "
-          f"-> {after['accuracy']:.3f} (best step {record['best_checkpoint_step']})")
+    print(
+        f"  eval masked-LM loss {before['mlm_loss']:.3f} -> {after['mlm_loss']:.3f}, perplexity "
+        f"{before['perplexity']:.1f} -> {after['perplexity']:.1f}, masked-token accuracy {before['accuracy']:.3f} "
+        f"-> {after['accuracy']:.3f} (best step {record['best_checkpoint_step']})"
+    )
     print(f"  {record['train_tokens_per_second']:,.0f} training tokens/s; plot: {args.output}/loss.png")
     return 0
 
@@ -148,19 +200,32 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--no-verify", action="store_true", help="skip the parity check against transformers")
     convert.add_argument("--force", action="store_true", help="replace an existing output folder")
     google = convert.add_argument_group("Google TensorFlow checkpoints")
-    google.add_argument("--gelu", choices=["tanh", "erf"], default="tanh",
-                        help="tanh: reproduce the original model (default); erf: transformers' historical conversion")
+    google.add_argument(
+        "--gelu",
+        choices=["tanh", "erf"],
+        default="tanh",
+        help="tanh: reproduce the original model (default); erf: transformers' historical conversion",
+    )
     casing = google.add_mutually_exclusive_group()
-    casing.add_argument("--lowercase", dest="lowercase", action="store_true", default=None,
-                        help="the vocab.txt tokenizer lower-cases (default: from the folder name, uncased/cased)")
+    casing.add_argument(
+        "--lowercase",
+        dest="lowercase",
+        action="store_true",
+        default=None,
+        help="the vocab.txt tokenizer lower-cases (default: from the folder name, uncased/cased)",
+    )
     casing.add_argument("--cased", dest="lowercase", action="store_false", help="the vocab.txt tokenizer keeps case")
     convert.set_defaults(run=convert_command)
 
     tune = commands.add_parser("finetune", help="fine-tune with transformers' Trainer (works under torchrun)")
-    tune.add_argument("--model", help=f"EncoderStack or BERT folder (default: ./{DEFAULT_OUTPUT}, else the "
-                                      "embedded checkpoint)")
-    tune.add_argument("--task", default="text-classification",
-                      choices=["text-classification", "token-classification", "question-answering"])
+    tune.add_argument(
+        "--model", help=f"EncoderStack or BERT folder (default: ./{DEFAULT_OUTPUT}, else the embedded checkpoint)"
+    )
+    tune.add_argument(
+        "--task",
+        default="text-classification",
+        choices=["text-classification", "token-classification", "question-answering"],
+    )
     tune.add_argument("--train", help="CSV or JSON lines (default: the shipped sentiment data)")
     tune.add_argument("--eval", help="CSV or JSON lines (default: the shipped sentiment data)")
     tune.add_argument("--output", default="encoderstack-finetuned", help="where the best checkpoint goes")
@@ -171,8 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--seed", type=int, default=42)
     tune.add_argument("--gradient-accumulation-steps", type=positive_int, default=1)
     tune.add_argument("--optim", default="adamw_torch", help="any TrainingArguments optim, e.g. sgd")
-    tune.add_argument("--packing", action="store_true",
-                      help="token classification: each batch as one flattened row (DataCollatorWithFlattening)")
+    tune.add_argument(
+        "--packing",
+        action="store_true",
+        help="token classification: each batch as one flattened row (DataCollatorWithFlattening)",
+    )
     tune.add_argument("--force", action="store_true", help="replace an existing output folder")
     tune.set_defaults(run=finetune_command)
 
@@ -181,10 +249,17 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--model", help="EncoderStack or BERT folder to continue from (converted on the fly)")
     start.add_argument("--config", help="a fresh model: EncoderStackConfig fields key=value,... or a JSON file")
     pre.add_argument("--tokenizer", help="a fresh model's tokenizer (a folder)")
-    pre.add_argument("--train-tokenizer", type=positive_int, metavar="VOCAB_SIZE",
-                     help="a fresh model's tokenizer: WordPiece trained on the training text")
-    pre.add_argument("--train", required=True, help=".txt (a paragraph a line, blank lines between documents), "
-                                                    ".jsonl (a text field), or a folder of them")
+    pre.add_argument(
+        "--train-tokenizer",
+        type=positive_int,
+        metavar="VOCAB_SIZE",
+        help="a fresh model's tokenizer: WordPiece trained on the training text",
+    )
+    pre.add_argument(
+        "--train",
+        required=True,
+        help=".txt (a paragraph a line, blank lines between documents), .jsonl (a text field), or a folder of them",
+    )
     pre.add_argument("--eval", help="evaluation text, as --train (default: a held-out tenth of its documents)")
     pre.add_argument("--output", default="encoderstack-pretrained", help="where the best checkpoint goes")
     pre.add_argument("--mlm-probability", type=positive_float, default=0.15)
@@ -218,8 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     onnx.add_argument("--opset", type=int, help="ONNX opset (default: torch.onnx's)")
     onnx.add_argument("--quantize", choices=["int8"], help="also write model_quantized.onnx (dynamic int8)")
     onnx.add_argument("--no-verify", action="store_true", help="skip the ONNX Runtime parity check")
-    onnx.add_argument("--force", action="store_true",
-                      help="replace an existing output folder; keep an int8 model below cosine 0.99")
+    onnx.add_argument(
+        "--force", action="store_true", help="replace an existing output folder; keep an int8 model below cosine 0.99"
+    )
     onnx.set_defaults(run=export_onnx_command)
     add_hub_commands(commands)
     add_diagnose_command(commands)

@@ -50,8 +50,13 @@ class PaddedGraph(nn.Module):
         self.output_names = output_names
 
     def forward(self, input_ids, attention_mask, token_type_ids):
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                             padding_free=False, return_dict=True)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            padding_free=False,
+            return_dict=True,
+        )
         return tuple(outputs[name] for name in self.output_names)
 
 
@@ -74,8 +79,10 @@ def load_model(model_or_folder, task: str | None) -> tuple[EncoderStackPreTraine
     tokenizer (None without one)."""
     if isinstance(model_or_folder, nn.Module):
         if not isinstance(model_or_folder, EncoderStackPreTrainedModel):
-            raise ExportError(f"{type(model_or_folder).__name__} is not an EncoderStack model; convert it first "
-                              "(encoderstack convert)")
+            raise ExportError(
+                f"{type(model_or_folder).__name__} is not an EncoderStack model; convert it first "
+                "(encoderstack convert)"
+            )
         if task is not None:
             raise ExportError(f"task={task!r} chooses the head to load from a folder; pass the model of that head")
         # a module that torch.onnx.export traced runs ~3x slower afterwards: keep the caller's own model untouched
@@ -88,8 +95,10 @@ def load_model(model_or_folder, task: str | None) -> tuple[EncoderStackPreTraine
         raise ExportError(f"{folder}: no such folder")
     config = read_json_object(folder / "config.json", ExportError)
     if config.get("model_type") != EncoderStackConfig.model_type:
-        raise ExportError(f"{folder / 'config.json'}: model_type {config.get('model_type')!r} is not an EncoderStack "
-                          "model; convert it first (encoderstack convert)")
+        raise ExportError(
+            f"{folder / 'config.json'}: model_type {config.get('model_type')!r} is not an EncoderStack "
+            "model; convert it first (encoderstack convert)"
+        )
     if task is not None and task not in TASKS:
         raise ExportError(f"task {task!r} is not one of {', '.join(sorted(TASKS))}")
     class_name = TASKS[task].encoderstack_class if task else (config.get("architectures") or ["EncoderStackModel"])[0]
@@ -111,8 +120,10 @@ def load_tokenizer(folder: Path | None, vocab_size: int | None):
     except (OSError, ValueError, TypeError):
         return None
     if vocab_size is not None and len(tokenizer) > vocab_size:
-        raise ExportError(f"{folder}: the tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size "
-                          f"{vocab_size} in config.json")
+        raise ExportError(
+            f"{folder}: the tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size "
+            f"{vocab_size} in config.json"
+        )
     return tokenizer
 
 
@@ -146,16 +157,29 @@ def export_graph(graph: PaddedGraph, inputs: dict, choices: bool, path: Path, op
     dynamic = {name: dict(enumerate(dims)) for name in INPUTS}
     try:
         with quiet("torch.onnx"):
-            program = torch.onnx.export(graph, tuple(inputs[name] for name in INPUTS), dynamo=True,
-                                        dynamic_shapes=dynamic, input_names=list(INPUTS),
-                                        output_names=graph.output_names, opset_version=opset, verbose=False)
+            program = torch.onnx.export(
+                graph,
+                tuple(inputs[name] for name in INPUTS),
+                dynamo=True,
+                dynamic_shapes=dynamic,
+                input_names=list(INPUTS),
+                output_names=graph.output_names,
+                opset_version=opset,
+                verbose=False,
+            )
     except Exception as error:  # the exporter's failures are many and long: keep the type and the first line
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise ExportError(f"torch.onnx.export failed: {type(error).__name__}: {first_line}") from error
     import onnx_ir
 
-    big = sum(value.const_value.nbytes for value in program.model.graph.initializers.values()
-              if value.const_value is not None) > EXTERNAL_DATA_OVER
+    big = (
+        sum(
+            value.const_value.nbytes
+            for value in program.model.graph.initializers.values()
+            if value.const_value is not None
+        )
+        > EXTERNAL_DATA_OVER
+    )
     onnx_ir.save(program.model, path, external_data=path.name + "_data" if big else None)
     return program.model.opset_imports[""]
 
@@ -211,8 +235,12 @@ def check_parity(model, names, session, path: Path, batches: list[dict], inputs:
             a, b = real_tokens(expected[name], mask), real_tokens(got[name], mask)
             check_finite(name, a, b, path)
             worst[name] = max(worst[name], (a - b).abs().max().item() if a.numel() else 0.0)
-    parity = {"reference": "ONNX Runtime", "inputs": inputs, "tolerance": TOLERANCE,
-              "results": {"onnxruntime": [{"output": name, "max_abs_diff": value} for name, value in worst.items()]}}
+    parity = {
+        "reference": "ONNX Runtime",
+        "inputs": inputs,
+        "tolerance": TOLERANCE,
+        "results": {"onnxruntime": [{"output": name, "max_abs_diff": value} for name, value in worst.items()]},
+    }
     failures = [f"{name}: {value:.2e}" for name, value in worst.items() if value > TOLERANCE]
     if failures:
         raise ExportError(f"{path.name} differs from PyTorch above {TOLERANCE:g} on {'; '.join(failures)}")
@@ -270,21 +298,32 @@ def quantize_int8(folder: Path, session, names, batches: list[dict], inputs: str
     big = (folder / "model.onnx_data").exists()
     with quiet(None):  # the quantizer logs its advice to pre-process (which changed nothing here) on the root logger
         # per-channel weight scales: on all-MiniLM-L6-v2 the per-tensor default gave cosine 0.92, per-channel 0.98
-        quantize_dynamic(folder / "model.onnx", target, weight_type=QuantType.QInt8, per_channel=True,
-                         use_external_data_format=big)
+        quantize_dynamic(
+            folder / "model.onnx", target, weight_type=QuantType.QInt8, per_channel=True, use_external_data_format=big
+        )
     results = int8_agreement(session, onnx_session(target), names, batches, base)
     worst = min(row["min_cosine"] for row in results)
     if worst < MIN_INT8_COSINE and not force:
-        raise ExportError(f"int8 cosine similarity to fp32 is {worst:.4f} on the verification inputs ({inputs}), below "
-                          f"{MIN_INT8_COSINE}; pass --force (force=True) to keep model_quantized.onnx anyway")
-    return {"file": target.name, "method": "onnxruntime.quantization.quantize_dynamic, QInt8 per-channel weights",
-            "inputs": inputs, "threshold": MIN_INT8_COSINE, "min_cosine": worst, "accepted": worst >= MIN_INT8_COSINE,
-            "results": results}
+        raise ExportError(
+            f"int8 cosine similarity to fp32 is {worst:.4f} on the verification inputs ({inputs}), below "
+            f"{MIN_INT8_COSINE}; pass --force (force=True) to keep model_quantized.onnx anyway"
+        )
+    return {
+        "file": target.name,
+        "method": "onnxruntime.quantization.quantize_dynamic, QInt8 per-channel weights",
+        "inputs": inputs,
+        "threshold": MIN_INT8_COSINE,
+        "min_cosine": worst,
+        "accepted": worst >= MIN_INT8_COSINE,
+        "results": results,
+    }
 
 
 def versions() -> dict:
-    return {name: importlib.metadata.version(name) for name in ("torch", "transformers", "onnx", "onnxscript",
-                                                                "onnxruntime")}
+    return {
+        name: importlib.metadata.version(name)
+        for name in ("torch", "transformers", "onnx", "onnxscript", "onnxruntime")
+    }
 
 
 def check_installed() -> None:
@@ -301,8 +340,15 @@ def write_folder(folder: Path, model, tokenizer) -> None:
         tokenizer.save_pretrained(folder)
 
 
-def export_onnx(model_or_folder, out, task: str | None = None, opset: int | None = None, quantize: str | None = None,
-                verify: bool = True, force: bool = False) -> Path:
+def export_onnx(
+    model_or_folder,
+    out,
+    task: str | None = None,
+    opset: int | None = None,
+    quantize: str | None = None,
+    verify: bool = True,
+    force: bool = False,
+) -> Path:
     """Export an EncoderStack model (an instance or a saved folder) to `out`/model.onnx; returns the output folder.
 
     The graph is the padded path (padding-free execution stays a PyTorch feature), with int64 inputs `input_ids`,
@@ -342,8 +388,9 @@ def export_onnx(model_or_folder, out, task: str | None = None, opset: int | None
         if verify:
             report["parity"] = check_parity(model, names, session, path, batches, described)
         if quantize == "int8":
-            report["quantization"] = quantize_int8(folder, session, names, batches, described,
-                                                   isinstance(model, EncoderStackModel), force)
+            report["quantization"] = quantize_int8(
+                folder, session, names, batches, described, isinstance(model, EncoderStackModel), force
+            )
         report["files"] = {file.name: sha256(file) for file in sorted(folder.iterdir()) if ".onnx" in file.name}
         report["sha256"] = report["files"]["model.onnx"]
         (folder / "export.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -44,7 +44,7 @@ def weight_problems(folder: Path, config, class_name: str) -> list[str]:
     for shard in shards:
         try:
             with safe_open(folder / shard, framework="pt") as weights:
-                shapes.update({key: tuple(weights.get_slice(key).get_shape()) for key in weights})
+                shapes.update({key: tuple(weights.get_slice(key).get_shape()) for key in weights.keys()})  # noqa: SIM118
         except (OSError, SafetensorError) as error:
             return [f"{shard}: not a readable safetensors file ({error})"]
     expected = expected_tensors(config, class_name)

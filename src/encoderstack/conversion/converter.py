@@ -151,7 +151,7 @@ def open_source(name_or_path, gelu: str = "tanh", lowercase: bool | None = None)
         folder,
         config,
         tensors,
-        {key: (bert_name(key), False) for key in tensors},
+        {key: (bert_name(key), False) for key in tensors.keys()},  # noqa: SIM118  (a lazy weights reader, not a dict)
         own_files=WEIGHT_FILE_NAMES + ("config.json",),
     )
 
@@ -433,7 +433,7 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
         raise ConversionError(f"{folder}: no weights found")
     prefix = "" if task.name == "base" else "model."
     mapped = {}
-    for key in tensors:
+    for key in tensors.keys():  # noqa: SIM118  (a lazy weights reader, not a dict)
         name = translate(key.removeprefix(prefix), ENCODER_KEYS, reverse=True) if key.startswith(prefix) else None
         bert = ("" if task.name == "base" else "bert.") + name if name else translate(key, task.head_keys, reverse=True)
         if bert is None:

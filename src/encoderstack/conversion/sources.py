@@ -72,7 +72,7 @@ class SafetensorsSource(TensorSource):
             except (SafetensorError, OSError) as error:
                 raise ConversionError(f"{file}: not a readable safetensors file ({error})") from None
             self._handles.append(handle)
-            for key in handle:
+            for key in handle.keys():  # noqa: SIM118  (safe_open is not iterable)
                 if key in self._owner:
                     raise ConversionError(f"{file}: tensor {key!r} is also in {self._owner[key][0]}")
                 self._owner[key] = (file, handle)
