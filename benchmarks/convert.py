@@ -22,7 +22,8 @@ from common import transformers
 
 CHILD = r"""
 import json, sys, time
-operation, source, output = sys.argv[1:]
+operation, source, output, clock = sys.argv[1:]
+clock = time.process_time if clock == "cpu" else time.perf_counter
 
 def rss(field):
     with open("/proc/self/status") as status:
@@ -30,21 +31,21 @@ def rss(field):
 
 import encoderstack
 before = rss("VmRSS")
-start = time.perf_counter()
+start = clock()
 if operation == "read":
     with open(source + "/model.safetensors", "rb") as file:
         data = file.read()
 else:
     encoderstack.convert(source, output, verify=False)
-seconds = time.perf_counter() - start
+seconds = clock() - start
 print(json.dumps({"seconds": seconds, "added": rss("VmHWM") - before, "peak": rss("VmHWM")}))
 """
 
 
-def run_child(operation, source, output):
+def run_child(operation, source, output, clock):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
-    result = subprocess.run([sys.executable, "-c", CHILD, operation, str(source), str(output)], capture_output=True,
-                            text=True, env=env, timeout=1800)
+    result = subprocess.run([sys.executable, "-c", CHILD, operation, str(source), str(output), clock],
+                            capture_output=True, text=True, env=env, timeout=1800)
     if result.returncode != 0:
         raise SystemExit(f"{operation} failed:\n{result.stderr[-3000:]}")
     shutil.rmtree(output, ignore_errors=True)
@@ -57,8 +58,9 @@ def main():
     if args.quick:
         args.models = "bert-base"
     iterations = args.iterations or (1 if args.quick else 3)
-    print(f"conversion: {os.cpu_count()} cores, torch {torch.__version__}, transformers {transformers.__version__}; "
-          f"{iterations} interleaved rounds, medians")
+    clock = "CPU time (all threads)" if args.clock == "cpu" else "wall clock"
+    print(f"conversion: {os.cpu_count()} cores, {clock}, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}; {iterations} interleaved rounds, medians")
     rows = []
     for spec in common.parse_models(args.models):
         with common.scratch_folder() as folder:
@@ -69,7 +71,7 @@ def main():
             runs = {"read": [], "convert": []}
             for _ in range(iterations):
                 for operation in runs:
-                    runs[operation].append(run_child(operation, source, output))
+                    runs[operation].append(run_child(operation, source, output, args.clock))
         read, convert = ({key: statistics.median(run[key] for run in runs[op]) for key in ("seconds", "added", "peak")}
                          for op in ("read", "convert"))
         rows.append([common.model_name(spec), f"{size / 2**20:.0f} MiB",

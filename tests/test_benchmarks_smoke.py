@@ -24,7 +24,7 @@ ONE_ROUND = ["--models", TINY, "--iterations", "1"]
 RUNS = {
     "inference.py": [*ONE_ROUND, "--sizes", "2x16", "--peak-size", "64"],
     "training.py": [*ONE_ROUND, "--sizes", "2x16", "--peak-size", "64"],
-    "convert.py": ONE_ROUND,
+    "convert.py": [*ONE_ROUND, "--clock", "cpu"],
     "attention.py": [*ONE_ROUND, "--sizes", "2x16"],
     "onnx.py": [*ONE_ROUND, "--sizes", "2x16"],
     # real text: the tokenizer's ids need the real vocabulary
