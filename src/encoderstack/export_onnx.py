@@ -364,7 +364,7 @@ def quantize_int8(folder: Path, session, names, batches: list[dict], inputs: str
         with quiet(None):  # the quantizer logs its advice to pre-process (which changed nothing here) on the root logger
             # reduce_range (7-bit weights): the smoothed weights saturate AVX2's u8 x s8 int16 pair sums at 8 bits
             quantize_dynamic(smoothed, target, weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
-                             nodes_to_quantize=quantized, op_types_to_quantize=["MatMul"],
+                             nodes_to_quantize=quantized or None, op_types_to_quantize=["MatMul"],
                              use_external_data_format=big)
     finally:
         for path in (smoothed, folder / (smoothed.name + "_data")):
@@ -374,10 +374,10 @@ def quantize_int8(folder: Path, session, names, batches: list[dict], inputs: str
     if worst < MIN_INT8_COSINE and not force:
         raise ExportError(f"int8 cosine similarity to fp32 is {worst:.4f} on the verification inputs ({inputs}), below "
                           f"{MIN_INT8_COSINE}; pass --force (force=True) to keep model_quantized.onnx anyway")
-    return {"file": target.name,
-            "method": "SmoothQuant (alpha 0.5) on the MatMuls that read a normalization, then "
-                      "onnxruntime.quantization.quantize_dynamic of those MatMuls, QInt8 per-channel 7-bit weights; "
-                      "attention output and FFN down projections stay float32",
+    method = ("SmoothQuant (alpha 0.5) on the MatMuls that read a normalization, then quantize_dynamic of those "
+              "MatMuls; attention output and FFN down projections stay float32" if quantized else
+              "no MatMul reads a LayerNormalization (nothing to smooth): quantize_dynamic of every MatMul")
+    return {"file": target.name, "method": f"{method}; onnxruntime QInt8 per-channel 7-bit weights",
             "calibration": f"{CALIBRATION_TEXT.name}: first {CALIBRATION_SENTENCES} sentences" if len(calibration) > 1
                            else "random ids",
             "quantized_matmuls": len(quantized), "inputs": inputs, "threshold": MIN_INT8_COSINE, "min_cosine": worst,
