@@ -277,7 +277,8 @@ def calibration_batches(folder: Path, config, choices: bool) -> list[dict]:
     else:
         with open(CALIBRATION_TEXT, newline="") as file:
             texts = [row["text"] for row in csv.DictReader(file)][:CALIBRATION_SENTENCES]
-        batches = [dict(tokenizer(texts[i:i + 16], padding=True, return_tensors="pt")) for i in range(0, len(texts), 16)]
+        batches = [dict(tokenizer(texts[i:i + 16], padding=True, return_tensors="pt"))
+                   for i in range(0, len(texts), 16)]
     batches = [{name: batch.get(name, torch.zeros_like(batch["input_ids"])).long() for name in INPUTS}
                for batch in batches]
     if choices:
@@ -361,7 +362,7 @@ def quantize_int8(folder: Path, session, names, batches: list[dict], inputs: str
     smoothed = folder / "model_smoothed.onnx"
     onnx.save(model, smoothed, save_as_external_data=big, location=smoothed.name + "_data")
     try:
-        with quiet(None):  # the quantizer logs its advice to pre-process (which changed nothing here) on the root logger
+        with quiet(None):  # the quantizer logs its advice to pre-process (it changed nothing here) on the root logger
             # reduce_range (7-bit weights): the smoothed weights saturate AVX2's u8 x s8 int16 pair sums at 8 bits
             quantize_dynamic(smoothed, target, weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
                              nodes_to_quantize=quantized or None, op_types_to_quantize=["MatMul"],
@@ -412,8 +413,8 @@ def export_onnx(model_or_folder, out, task: str | None = None, opset: int | None
     model's output fields. `task` picks the head to load from a folder (default: the folder's architecture). With
     `verify`, ONNX Runtime's outputs are compared with PyTorch's on the tokenizer's encoding of sample sentences, and
     a difference above 1e-4 fails the export. `quantize="int8"` adds `model_quantized.onnx` (SmoothQuant, then dynamic
-    quantization of the MatMuls that read a normalization) and refuses it when its cosine similarity to float32 falls below 0.99, unless `force`. `force` also replaces an
-    existing `out`. On any failure nothing is written."""
+    quantization of the MatMuls that read a normalization) and refuses it when its cosine similarity to float32
+    falls below 0.99, unless `force`. `force` also replaces an existing `out`. On any failure nothing is written."""
     check_installed()
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise ExportError(f"quantize={quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
