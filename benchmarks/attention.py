@@ -40,8 +40,11 @@ def main():
     common.header("attention on packed tokens", args.device)
     rows = []
     for name in common.parse_models(args.models):
-        heads, head_dim = HEAD_SHAPES[name] if isinstance(name, str) else (
-            name["num_attention_heads"], name["hidden_size"] // name["num_attention_heads"])
+        heads, head_dim = (
+            HEAD_SHAPES[name]
+            if isinstance(name, str)
+            else (name["num_attention_heads"], name["hidden_size"] // name["num_attention_heads"])
+        )
         for batch_size, max_length in common.parse_sizes(args.sizes):
             rng = random.Random(f"{args.seed}-{batch_size}-{max_length}")
             lengths = common.lengths_for("uniform", batch_size, max_length, rng, None)
@@ -49,10 +52,13 @@ def main():
             packing = PackedSequences.from_attention_mask(real, lengths)
             for mode in ("inference", "training"):
                 training = mode == "training"
-                query, key, value = (torch.randn(1, heads, sum(lengths), head_dim, device=args.device,
-                                                 requires_grad=training) for _ in range(3))
-                torch.testing.assert_close(per_sequence(packing, query, key, value),
-                                           re_padded(packing, real, query, key, value))
+                query, key, value = (
+                    torch.randn(1, heads, sum(lengths), head_dim, device=args.device, requires_grad=training)
+                    for _ in range(3)
+                )
+                torch.testing.assert_close(
+                    per_sequence(packing, query, key, value), re_padded(packing, real, query, key, value)
+                )
 
                 def step(attend):
                     with torch.set_grad_enabled(training):
@@ -60,16 +66,30 @@ def main():
                         if training:
                             context.sum().backward()
 
-                seconds, _ = common.interleave({
-                    "per-sequence": lambda: step(lambda: per_sequence(packing, query, key, value)),
-                    "re-padded": lambda: step(lambda: re_padded(packing, real, query, key, value)),
-                }, iterations, args.device, peak_size=64)
-                rows.append([common.model_name(name), f"{heads}x{head_dim}", f"{batch_size}x{max_length}", mode,
-                             f"{seconds['per-sequence'] * 1e3:.1f} ms", f"{seconds['re-padded'] * 1e3:.1f} ms",
-                             f"{seconds['re-padded'] / seconds['per-sequence']:.2f}"])
+                seconds, _ = common.interleave(
+                    {
+                        "per-sequence": lambda: step(lambda: per_sequence(packing, query, key, value)),
+                        "re-padded": lambda: step(lambda: re_padded(packing, real, query, key, value)),
+                    },
+                    iterations,
+                    args.device,
+                    peak_size=64,
+                )
+                rows.append(
+                    [
+                        common.model_name(name),
+                        f"{heads}x{head_dim}",
+                        f"{batch_size}x{max_length}",
+                        mode,
+                        f"{seconds['per-sequence'] * 1e3:.1f} ms",
+                        f"{seconds['re-padded'] * 1e3:.1f} ms",
+                        f"{seconds['re-padded'] / seconds['per-sequence']:.2f}",
+                    ]
+                )
     print(f"one layer's attention, lengths uniform in [max/8, max]; {iterations} interleaved rounds, medians")
-    common.print_table(rows, ["model", "heads x dim", "batch", "mode", "per-sequence", "re-padded",
-                              "re-padded / per-sequence"])
+    common.print_table(
+        rows, ["model", "heads x dim", "batch", "mode", "per-sequence", "re-padded", "re-padded / per-sequence"]
+    )
     print(f"reproduce: {common.command_line()}")
 
 

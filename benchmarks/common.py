@@ -29,7 +29,7 @@ transformers.utils.logging.disable_progress_bar()
 
 MODELS = {  # name -> BertConfig fields of a randomly initialised model; "minilm" is the embedded checkpoint
     "bert-base": {},
-    "bert-large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+    "bert-large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096},
 }
 
 # Varied English text, from a two-word reply to a paragraph, for the "text" lengths; the embedded checkpoint's model
@@ -108,19 +108,30 @@ def model_name(spec):
 
 def common_arguments(description, sizes, models):
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--models", default=models,
-                        help=f"comma-separated: minilm (the embedded checkpoint), {', '.join(MODELS)}; or JSON "
-                             f"BertConfig fields of a random model (default: {models})")
+    parser.add_argument(
+        "--models",
+        default=models,
+        help=f"comma-separated: minilm (the embedded checkpoint), {', '.join(MODELS)}; or JSON "
+        f"BertConfig fields of a random model (default: {models})",
+    )
     parser.add_argument("--sizes", default=sizes, help=f"batch x max length, comma-separated (default: {sizes})")
     parser.add_argument("--iterations", type=int, default=None, help="timed rounds per cell (median reported)")
     parser.add_argument("--quick", action="store_true", help="minilm only, first size, 3 rounds")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                        help="of the weights and activations (default float32); cuda's varlen kernels need 16 bits")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="of the weights and activations (default float32); cuda's varlen kernels need 16 bits",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="wall: elapsed time (default); cpu: CPU time of this process, which leaves out the time "
-                             "other processes take the cores (a control for a shared machine; use with --threads 1)")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: elapsed time (default); cpu: CPU time of this process, which leaves out the time "
+        "other processes take the cores (a control for a shared machine; use with --threads 1)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -220,7 +231,7 @@ def place(model, device):
 
 def flash_attention_backends(device):
     """transformers' flash_attention_2, where it is installed and the device can run it (never on CPU)."""
-    available = device.startswith("cuda") and transformers.utils.is_flash_attn_2_available() and DTYPE != torch.float32
+    available = device.startswith("cuda") and transformers.utils.is_flash_attn_2_available() and torch.float32 != DTYPE
     return ["flash_attention_2"] if available else []
 
 
@@ -257,8 +268,10 @@ def header(title, device):
     where = f"{torch.get_num_threads()} threads" if device == "cpu" else torch.cuda.get_device_name()
     clock = "CPU time" if CLOCK is time.process_time else "wall clock"
     malloc = " ".join(f"{name}={value}" for name, value in sorted(os.environ.items()) if name.startswith("MALLOC_"))
-    print(f"{title}: {str(DTYPE).removeprefix('torch.')}, {device} ({where}, {os.cpu_count()} cores), {clock}, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}" + (f", {malloc}" if malloc else ""))
+    print(
+        f"{title}: {str(DTYPE).removeprefix('torch.')}, {device} ({where}, {os.cpu_count()} cores), {clock}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}" + (f", {malloc}" if malloc else "")
+    )
 
 
 def command_line():
@@ -278,4 +291,3 @@ def print_table(rows, columns):
 
 def scratch_folder():
     return tempfile.TemporaryDirectory(prefix="encoderstack-bench-")
-

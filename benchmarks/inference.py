@@ -25,8 +25,11 @@ def main():
     iterations = args.iterations or (3 if args.quick else 5)
     common.setup(args)
     flash = common.flash_attention_backends(args.device)
-    variants = VARIANTS + (("EncoderStack compiled",) if args.compile else ()) + tuple(
-        name for backend in flash for name in (f"BertModel-{backend}", f"EncoderStack {backend}"))
+    variants = (
+        VARIANTS
+        + (("EncoderStack compiled",) if args.compile else ())
+        + tuple(name for backend in flash for name in (f"BertModel-{backend}", f"EncoderStack {backend}"))
+    )
     common.header("inference", args.device)
     tokenizer = common.tokenizer()
     rows, peaks = [], []
@@ -43,33 +46,51 @@ def main():
             "EncoderStack padding-free": lambda batch: ours(**batch),
         }
         for backend in flash:
-            models[f"BertModel-{backend}"] = lambda batch, m=common.with_backend(copy.deepcopy(bert), backend): m(**batch)
-            models[f"EncoderStack {backend}"] = (lambda batch, m=common.with_backend(copy.deepcopy(ours), backend):
-                                                 m(**batch))
+            models[f"BertModel-{backend}"] = lambda batch, m=common.with_backend(copy.deepcopy(bert), backend): m(
+                **batch
+            )
+            models[f"EncoderStack {backend}"] = lambda batch, m=common.with_backend(copy.deepcopy(ours), backend): m(
+                **batch
+            )
         if args.compile:
             models["EncoderStack compiled"] = lambda batch, compiled=torch.compile(ours): compiled(**batch)
         for batch_size, max_length in common.parse_sizes(args.sizes):
             for workload in common.WORKLOADS:
-                lengths, width, batch, _ = common.workload_batch(workload, batch_size, max_length,
-                                                                 bert.config.vocab_size, tokenizer, args.seed,
-                                                                 args.device)
+                lengths, width, batch, _ = common.workload_batch(
+                    workload, batch_size, max_length, bert.config.vocab_size, tokenizer, args.seed, args.device
+                )
                 with torch.inference_mode():
-                    seconds, peak = common.interleave({name: (lambda f=f: f(batch)) for name, f in models.items()},
-                                                      iterations, args.device, args.peak_size)
+                    seconds, peak = common.interleave(
+                        {name: (lambda f=f: f(batch)) for name, f in models.items()},
+                        iterations,
+                        args.device,
+                        args.peak_size,
+                    )
                 peaks.append(peak)
                 flops = common.encoder_flops(bert.config, lengths)
                 reference = seconds["BertModel-sdpa"]
                 ideal = batch_size * width / sum(lengths)
                 cells = [f"{reference / seconds[name]:.2f} ({flops / seconds[name] / peak:.0%})" for name in variants]
-                rows.append([common.model_name(spec), f"{batch_size}x{width}", workload,
-                             f"{sum(lengths) / (batch_size * width):.0%}",
-                             f"{common.format_rate(sum(lengths) / reference)} ({flops / reference / peak:.0%})",
-                             *cells, f"{ideal:.2f}", f"{reference / seconds['EncoderStack padding-free'] / ideal:.0%}"])
-    print(f"matmul peak {sum(peaks) / len(peaks) / 1e9:.0f} GFLOP/s ({args.peak_size}^2 float32 torch.matmul, mean of "
-          f"the per-cell medians); {iterations} interleaved rounds per cell, medians")
+                rows.append(
+                    [
+                        common.model_name(spec),
+                        f"{batch_size}x{width}",
+                        workload,
+                        f"{sum(lengths) / (batch_size * width):.0%}",
+                        f"{common.format_rate(sum(lengths) / reference)} ({flops / reference / peak:.0%})",
+                        *cells,
+                        f"{ideal:.2f}",
+                        f"{reference / seconds['EncoderStack padding-free'] / ideal:.0%}",
+                    ]
+                )
+    print(
+        f"matmul peak {sum(peaks) / len(peaks) / 1e9:.0f} GFLOP/s ({args.peak_size}^2 float32 torch.matmul, mean of "
+        f"the per-cell medians); {iterations} interleaved rounds per cell, medians"
+    )
     print("cells: speed-up over BertModel-sdpa in real tokens/s (achieved FLOP/s on real tokens / matmul peak)")
-    common.print_table(rows, ["model", "batch", "lengths", "real", "BertModel-sdpa tok/s", *variants, "ideal",
-                              "padding-free/ideal"])
+    common.print_table(
+        rows, ["model", "batch", "lengths", "real", "BertModel-sdpa tok/s", *variants, "ideal", "padding-free/ideal"]
+    )
     print(f"reproduce: {common.command_line()}")
 
 

@@ -27,8 +27,17 @@ def export(ours, tokenizer, scratch: Path) -> Path:
     ours.save_pretrained(scratch / "encoderstack")
     if len(tokenizer) <= ours.config.vocab_size:  # the parity and int8 checks then run on real text
         tokenizer.save_pretrained(scratch / "encoderstack")
-    command = [sys.executable, "-m", "encoderstack", "export-onnx", str(scratch / "encoderstack"),
-               str(scratch / "onnx"), "--quantize", "int8", "--force"]
+    command = [
+        sys.executable,
+        "-m",
+        "encoderstack",
+        "export-onnx",
+        str(scratch / "encoderstack"),
+        str(scratch / "onnx"),
+        "--quantize",
+        "int8",
+        "--force",
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"export failed: {result.stderr.strip()}")
@@ -60,13 +69,15 @@ def main():
         with common.scratch_folder() as scratch:
             bert, ours = common.load_pair(spec, transformers.BertModel, encoderstack.EncoderStackModel, scratch)
             onnx_folder = export(ours, tokenizer, Path(scratch))
-            fp32, int8 = (session(onnx_folder / name, torch.get_num_threads())
-                          for name in ("model.onnx", "model_quantized.onnx"))
+            fp32, int8 = (
+                session(onnx_folder / name, torch.get_num_threads()) for name in ("model.onnx", "model_quantized.onnx")
+            )
         bert, ours = common.with_backend(bert, "sdpa"), common.with_backend(ours, "sdpa")
         for batch_size, max_length in common.parse_sizes(args.sizes):
             for workload in common.WORKLOADS:
-                lengths, width, batch, _ = common.workload_batch(workload, batch_size, max_length,
-                                                                 bert.config.vocab_size, tokenizer, args.seed, "cpu")
+                lengths, width, batch, _ = common.workload_batch(
+                    workload, batch_size, max_length, bert.config.vocab_size, tokenizer, args.seed, "cpu"
+                )
                 batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
                 feeds = {name: value.numpy() for name, value in batch.items()}
                 variants = {
@@ -79,10 +90,16 @@ def main():
                 with torch.inference_mode():
                     seconds, _ = common.interleave(variants, iterations, "cpu", peak_size=64)
                 reference = seconds["BertModel-sdpa"]
-                rows.append([common.model_name(spec), f"{batch_size}x{width}", workload,
-                             f"{sum(lengths) / (batch_size * width):.0%}",
-                             common.format_rate(sum(lengths) / reference),
-                             *(f"{reference / seconds[name]:.2f}" for name in VARIANTS)])
+                rows.append(
+                    [
+                        common.model_name(spec),
+                        f"{batch_size}x{width}",
+                        workload,
+                        f"{sum(lengths) / (batch_size * width):.0%}",
+                        common.format_rate(sum(lengths) / reference),
+                        *(f"{reference / seconds[name]:.2f}" for name in VARIANTS),
+                    ]
+                )
     print(f"{iterations} interleaved rounds per cell, medians; cells: speed-up over BertModel-sdpa in real tokens/s")
     common.print_table(rows, ["model", "batch", "lengths", "real", "BertModel-sdpa tok/s", *VARIANTS])
     print(f"reproduce: {common.command_line()}")

@@ -33,6 +33,7 @@ def corpus_sequences(tokenizer, max_length, corpus_bytes, seed):
 
 def training_steps(model, optimizer, batches, collate):
     """One call = one training step (collation included) on each batch in turn."""
+
     def steps():
         for batch in batches:
             optimizer.zero_grad(set_to_none=True)
@@ -60,36 +61,65 @@ def main():
     rows = []
     for spec in common.parse_models(args.models):
         with common.scratch_folder() as folder:
-            bert, ours = common.load_pair(spec, transformers.BertForMaskedLM, encoderstack.EncoderStackForMaskedLM,
-                                          folder)
+            bert, ours = common.load_pair(
+                spec, transformers.BertForMaskedLM, encoderstack.EncoderStackForMaskedLM, folder
+            )
         bert = common.place(common.with_backend(bert, "sdpa"), args.device).train()
         ours = common.place(common.with_backend(ours, "sdpa"), args.device).train()
         for batch_size, max_length in common.parse_sizes(args.sizes):
             sequences = corpus_sequences(tokenizer, max_length, args.corpus_bytes, args.seed)
             if len(sequences) < batch_size * args.batches:
                 raise SystemExit(f"the corpus gives {len(sequences)} sequences; raise --corpus-bytes")
-            batches = [[{"input_ids": ids} for ids in sequences[i * batch_size : (i + 1) * batch_size]]
-                       for i in range(args.batches)]
+            batches = [
+                [{"input_ids": ids} for ids in sequences[i * batch_size : (i + 1) * batch_size]]
+                for i in range(args.batches)
+            ]
             padding = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15, seed=args.seed)
             packing = MaskedFlattening(tokenizer, 0.15, False, seed=args.seed)
             steps = {
-                "BERT padded": training_steps(bert, torch.optim.AdamW(bert.parameters(), lr=1e-5), batches,
-                                              on_device(padding, args.device)),
-                "EncoderStack pretrain": training_steps(ours, torch.optim.AdamW(ours.parameters(), lr=1e-5),
-                                                        copy.deepcopy(batches), on_device(packing, args.device)),
+                "BERT padded": training_steps(
+                    bert, torch.optim.AdamW(bert.parameters(), lr=1e-5), batches, on_device(padding, args.device)
+                ),
+                "EncoderStack pretrain": training_steps(
+                    ours,
+                    torch.optim.AdamW(ours.parameters(), lr=1e-5),
+                    copy.deepcopy(batches),
+                    on_device(packing, args.device),
+                ),
             }
             seconds, _ = common.interleave(steps, iterations, args.device, peak_size=64)
             real = sum(len(example["input_ids"]) for batch in batches for example in batch)
             padded = sum(len(batch) * max(len(example["input_ids"]) for example in batch) for batch in batches)
             speedup, ideal = seconds["BERT padded"] / seconds["EncoderStack pretrain"], padded / real
-            rows.append([common.model_name(spec), f"{batch_size}x{max_length}", f"{real / padded:.0%}",
-                         common.format_rate(real / seconds["BERT padded"]),
-                         common.format_rate(real / seconds["EncoderStack pretrain"]),
-                         f"{speedup:.2f}", f"{ideal:.2f}", f"{speedup / ideal:.0%}"])
-    print(f"{iterations} interleaved rounds of {args.batches} steps per cell, medians; real tokens/s on the same "
-          "sequences of the stdlib corpus")
-    common.print_table(rows, ["model", "batch", "real", "BERT padded tok/s", "EncoderStack pretrain tok/s",
-                              "speed-up", "ideal", "speed-up/ideal"])
+            rows.append(
+                [
+                    common.model_name(spec),
+                    f"{batch_size}x{max_length}",
+                    f"{real / padded:.0%}",
+                    common.format_rate(real / seconds["BERT padded"]),
+                    common.format_rate(real / seconds["EncoderStack pretrain"]),
+                    f"{speedup:.2f}",
+                    f"{ideal:.2f}",
+                    f"{speedup / ideal:.0%}",
+                ]
+            )
+    print(
+        f"{iterations} interleaved rounds of {args.batches} steps per cell, medians; real tokens/s on the same "
+        "sequences of the stdlib corpus"
+    )
+    common.print_table(
+        rows,
+        [
+            "model",
+            "batch",
+            "real",
+            "BERT padded tok/s",
+            "EncoderStack pretrain tok/s",
+            "speed-up",
+            "ideal",
+            "speed-up/ideal",
+        ],
+    )
     print(f"reproduce: {common.command_line()}")
 
 

@@ -30,8 +30,10 @@ def labels_for(task, batch, rng):
 
 def flattened(batch):
     """The padded batch's sequences as `DataCollatorWithFlattening` would give them (with the flash kwargs)."""
-    rows = [{"input_ids": ids[mask.bool()].tolist(), "labels": labels[mask.bool()].tolist()}
-            for ids, mask, labels in zip(batch["input_ids"].cpu(), batch["attention_mask"].cpu(), batch["labels"].cpu())]
+    rows = [
+        {"input_ids": ids[mask.bool()].tolist(), "labels": labels[mask.bool()].tolist()}
+        for ids, mask, labels in zip(batch["input_ids"].cpu(), batch["attention_mask"].cpu(), batch["labels"].cpu())
+    ]
     device = batch["input_ids"].device
     collated = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(rows)
     return {key: value.to(device) if torch.is_tensor(value) else value for key, value in collated.items()}
@@ -75,16 +77,19 @@ def main():
             bert = common.place(common.with_backend(bert, "sdpa"), args.device).train()
             bert_eager = common.with_backend(copy.deepcopy(bert), "eager")
             ours = common.place(common.with_backend(ours, "sdpa"), args.device).train()
-            flash = {f"{name} {backend}": common.with_backend(copy.deepcopy(model), backend)
-                     for backend in common.flash_attention_backends(args.device)
-                     for name, model in (("BERT", bert), ("EncoderStack", ours))}
-            optimizers = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-5)
-                          for m in (bert, bert_eager, ours, *flash.values())}
+            flash = {
+                f"{name} {backend}": common.with_backend(copy.deepcopy(model), backend)
+                for backend in common.flash_attention_backends(args.device)
+                for name, model in (("BERT", bert), ("EncoderStack", ours))
+            }
+            optimizers = {
+                id(m): torch.optim.AdamW(m.parameters(), lr=1e-5) for m in (bert, bert_eager, ours, *flash.values())
+            }
             for batch_size, max_length in common.parse_sizes(args.sizes):
                 for workload in common.WORKLOADS:
-                    lengths, width, batch, rng = common.workload_batch(workload, batch_size, max_length,
-                                                                       bert.config.vocab_size, tokenizer, args.seed,
-                                                                       args.device)
+                    lengths, width, batch, rng = common.workload_batch(
+                        workload, batch_size, max_length, bert.config.vocab_size, tokenizer, args.seed, args.device
+                    )
                     batch["labels"] = labels_for(task, batch, rng).to(args.device)
                     steps = {
                         "BERT-sdpa": training_step(bert, optimizers[id(bert)], batch),
@@ -94,27 +99,48 @@ def main():
                     }
                     if task == "mlm":
                         steps["EncoderStack flattened"] = training_step(ours, optimizers[id(ours)], flattened(batch))
-                    steps.update({name: training_step(model, optimizers[id(model)], batch)
-                                  for name, model in flash.items()})
+                    steps.update(
+                        {name: training_step(model, optimizers[id(model)], batch) for name, model in flash.items()}
+                    )
                     seconds, peak = common.interleave(steps, iterations, args.device, args.peak_size)
                     peaks.append(peak)
                     flops = step_flops(task, bert.config, lengths)
                     reference = seconds["BERT-sdpa"]
                     ideal = batch_size * width / sum(lengths)
-                    cells = [f"{reference / seconds[name]:.2f} ({flops / seconds[name] / peak:.0%})"
-                             if name in seconds else "-" for name in (*VARIANTS, *flash)]
-                    rows.append([common.model_name(spec), task, f"{batch_size}x{width}", workload,
-                                 f"{sum(lengths) / (batch_size * width):.0%}",
-                                 f"{common.format_rate(sum(lengths) / reference)} ({flops / reference / peak:.0%})",
-                                 *cells, f"{ideal:.2f}"])
-    print(f"matmul peak {sum(peaks) / len(peaks) / 1e9:.0f} GFLOP/s ({args.peak_size}^2 float32 torch.matmul, mean of "
-          f"the per-cell medians); {iterations} interleaved rounds per cell, medians")
-    print("cells: speed-up over BERT-sdpa (BertForMaskedLM / BertForSequenceClassification) in real tokens/s "
-          "(achieved FLOP/s on real tokens / matmul peak)")
-    flash_columns = [f"{name} {backend}" for backend in common.flash_attention_backends(args.device)
-                     for name in ("BERT", "EncoderStack")]
-    common.print_table(rows, ["model", "task", "batch", "lengths", "real", "BERT-sdpa tok/s", *VARIANTS,
-                              *flash_columns, "ideal"])
+                    cells = [
+                        f"{reference / seconds[name]:.2f} ({flops / seconds[name] / peak:.0%})"
+                        if name in seconds
+                        else "-"
+                        for name in (*VARIANTS, *flash)
+                    ]
+                    rows.append(
+                        [
+                            common.model_name(spec),
+                            task,
+                            f"{batch_size}x{width}",
+                            workload,
+                            f"{sum(lengths) / (batch_size * width):.0%}",
+                            f"{common.format_rate(sum(lengths) / reference)} ({flops / reference / peak:.0%})",
+                            *cells,
+                            f"{ideal:.2f}",
+                        ]
+                    )
+    print(
+        f"matmul peak {sum(peaks) / len(peaks) / 1e9:.0f} GFLOP/s ({args.peak_size}^2 float32 torch.matmul, mean of "
+        f"the per-cell medians); {iterations} interleaved rounds per cell, medians"
+    )
+    print(
+        "cells: speed-up over BERT-sdpa (BertForMaskedLM / BertForSequenceClassification) in real tokens/s "
+        "(achieved FLOP/s on real tokens / matmul peak)"
+    )
+    flash_columns = [
+        f"{name} {backend}"
+        for backend in common.flash_attention_backends(args.device)
+        for name in ("BERT", "EncoderStack")
+    ]
+    common.print_table(
+        rows, ["model", "task", "batch", "lengths", "real", "BERT-sdpa tok/s", *VARIANTS, *flash_columns, "ideal"]
+    )
     print(f"reproduce: {common.command_line()}")
 
 

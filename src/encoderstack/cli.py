@@ -291,7 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     onnx.add_argument("output", help="output folder (model.onnx, config.json, tokenizer, export.json)")
     onnx.add_argument("--task", choices=sorted(TASKS), help="head to load (default: the folder's architecture)")
     onnx.add_argument("--opset", type=int, help="ONNX opset (default: torch.onnx's)")
-    onnx.add_argument("--quantize", choices=["int8"], help="also write model_quantized.onnx (dynamic int8)")
+    onnx.add_argument(
+        "--quantize", choices=["int8"], help="also write model_quantized.onnx (SmoothQuant, then dynamic int8)"
+    )
     onnx.add_argument("--no-verify", action="store_true", help="skip the ONNX Runtime parity check")
     onnx.add_argument(
         "--force", action="store_true", help="replace an existing output folder; keep an int8 model below cosine 0.99"
