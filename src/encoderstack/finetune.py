@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import transformers
 
+from . import modeling_encoderstack
 from .checkpoint import TOKENIZER_FILES, has_tokenizer
 from .conversion.keymap import FAMILIES, ConversionError, task_for_architecture
 from .hub_card import write_card
@@ -393,8 +394,6 @@ def finetune(
     defaults to the shipped held-out set only when `train` is the shipped training set.
 
     Settings, model folder and data are all checked before any model is loaded (FinetuneError, DataError)."""
-    import encoderstack
-
     check_settings(epochs, batch_size, learning_rate, max_length, seed, gradient_accumulation_steps)
     try:
         import matplotlib  # noqa: F401  (fail before training, not after it)
@@ -462,7 +461,7 @@ def finetune(
         {"num_labels": len(labels), "id2label": dict(enumerate(labels)), "label2id": label2id} if labels else {}
     )
     try:
-        network = getattr(encoderstack, spec.model_class).from_pretrained(model, **label_config)
+        network = getattr(modeling_encoderstack, spec.model_class).from_pretrained(model, **label_config)
         return train_and_save(
             network,
             tokenizer,
