@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import encoderstack
 from encoderstack.conversion.keymap import TASKS
+from encoderstack.conversion.verify import OUTPUTS
 
 SHAPES = {
     "one-layer": {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 37},
@@ -101,16 +102,7 @@ def assert_same_loss(reference, converted, batch, suffix):
 
 
 def main_outputs(outputs):
-    names = (
-        "last_hidden_state",
-        "pooler_output",
-        "logits",
-        "prediction_logits",
-        "seq_relationship_logits",
-        "start_logits",
-        "end_logits",
-    )
-    return {name: getattr(outputs, name) for name in names if getattr(outputs, name, None) is not None}
+    return {name: getattr(outputs, name) for name in OUTPUTS if getattr(outputs, name, None) is not None}
 
 
 def assert_parity(reference, converted, suffix, backend):

@@ -215,6 +215,8 @@ def immutable(tmp_path):
     """A folder that not even root can write into (chattr +i), removed again afterwards."""
     folder = tmp_path / "immutable"
     folder.mkdir()
+    # Root ignores permission bits, so only the immutable flag makes a folder unwritable here; tmpfs and some
+    # overlay file systems do not support it, and then there is no unwritable folder to test against.
     if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(folder)]).returncode != 0:
         pytest.skip("chattr +i is not available on this file system")
     yield folder

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..conversion.converter import sha256
+from ..checkpoint import sha256
 from ..pretrain import (
     EVAL_MASK_SEED,
     mlm_trainer,
