@@ -189,6 +189,16 @@ class PackedSequences:
         return rows, torch.arange(rows.shape[1], device=rows.device) < self.lengths_tensor[:, None]
 
 
+def first_real_tokens(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """(batch, seq, ...) -> (batch, ...): each row's first real token, what a first-token head pools. That is position
+    0 under right padding, as in BERT; under left padding BERT would pool a padding token (and padding-free, which
+    leaves zeros there, a constant), so the first token the mask marks real is taken on every path."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return hidden_states[:, 0]
+    first = attention_mask.to(device=hidden_states.device, dtype=torch.int).argmax(-1)  # the first 1 of each row
+    return hidden_states[torch.arange(first.numel(), device=first.device), first]
+
+
 class EncoderStackKwargs(TransformersKwargs, total=False):
     """transformers' forward kwargs, and ours: `padding_free` overrides `config.padding_free` for one call;
     `packing` is how a task head hands the encoder the `PackedSequences` it decided on (see `packing_for`)."""
@@ -566,7 +576,11 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
             hidden_states = packing.unpack(hidden_states)
         pooled = None
         if self.pooler is not None:
-            first_tokens = packing.first_tokens(packing.pack(hidden_states)) if flattened else hidden_states[:, 0]
+            first_tokens = (
+                packing.first_tokens(packing.pack(hidden_states))
+                if flattened
+                else first_real_tokens(hidden_states, attention_mask)
+            )
             pooled = self.pooler(first_tokens)
         return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooled)
 
