@@ -11,6 +11,7 @@ from pathlib import Path
 from .version import __version__
 
 DEFAULT_OUTPUT = "encoderstack-all-MiniLM-L6-v2"
+EMBEDDED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def embedded_default() -> Path:
@@ -46,6 +47,7 @@ def convert_command(args) -> int:
     folder = convert(
         source,
         output,
+        source_hub_id=EMBEDDED_HUB_ID if args.source is None else None,
         task=args.task,
         verify=not args.no_verify,
         force=args.force,
