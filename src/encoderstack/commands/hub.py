@@ -25,16 +25,18 @@ def push_command(args) -> int:
 def add_hub_commands(commands) -> None:
     """`encoderstack card` and `encoderstack push`, on the CLI's subparsers."""
     card = commands.add_parser("card", help="write the model card (README.md) of an EncoderStack folder")
-    card.add_argument("folder", metavar="DIR")
+    card.add_argument("folder", metavar="DIR", help="EncoderStack folder (its README.md is rewritten)")
     card.set_defaults(run=card_command)
 
     push = commands.add_parser("push", help="check an EncoderStack folder, then publish it to the Hub in one commit")
-    push.add_argument("folder", metavar="DIR")
+    push.add_argument("folder", metavar="DIR", help="EncoderStack folder")
     push.add_argument("repo_id", metavar="REPO_ID", help="the Hub repository, namespace/name (created if missing)")
     push.add_argument(
         "--private", action="store_true", help="create the repository private (an existing one keeps its visibility)"
     )
     push.add_argument("--revision", metavar="R", help="branch to commit to, created if missing (default: main)")
-    push.add_argument("--commit-message", metavar="M")
+    push.add_argument(
+        "--commit-message", metavar="M", help="the commit's message (default: 'Upload NAME', NAME the folder's)"
+    )
     push.add_argument("--token", metavar="T", help="Hub token (default: HF_TOKEN, or the one `hf auth login` saved)")
     push.set_defaults(run=push_command)

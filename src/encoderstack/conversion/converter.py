@@ -353,9 +353,11 @@ def convert(
     force: bool = False,
     gelu: str = "tanh",
     lowercase: bool | None = None,
+    source_hub_id: str | None = None,
 ) -> Path:
     """Convert a BERT checkpoint (folder, Hub id, or TensorFlow checkpoint) into an EncoderStack folder; returns
-    the output path.
+    the output path. `source_hub_id` names the Hub model that a local source is a copy of (a Hub id source names
+    itself): the record keeps it and the model card gives it as `base_model`.
 
     With `verify`, the result is compared with the reference transformers model on sample inputs, and a
     difference above 1e-5 on any output fails the conversion (nothing is written). For Google's TensorFlow
@@ -372,7 +374,7 @@ def convert(
             report = {
                 "encoderstack_version": __version__,
                 "source": str(source_path),
-                "source_hub_id": hub_id(source_path),
+                "source_hub_id": source_hub_id or hub_id(source_path),
                 "source_format": source.tensors.format,
                 "source_architecture": (source.config.get("architectures") or [None])[0],
                 "source_files": {name: digest.result() for name, digest in digests.items()},

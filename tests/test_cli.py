@@ -1,0 +1,118 @@
+"""The command line itself: Ctrl-C, numbers argparse would misread, the help of every option, `--version`."""
+
+import argparse
+
+import pytest
+from conftest import tiny_model_folder
+from test_convert_bert import bert_folder
+
+import encoderstack
+from encoderstack.cli import build_parser, main
+from encoderstack.conversion import converter
+
+COMMANDS = ("convert", "finetune", "pretrain", "export-bert", "export-onnx", "card", "push", "diagnose")
+SENTIMENT = "text,label\ngood film,pos\nbad film,neg\nfine film,pos\nawful film,neg\n"
+
+
+def subcommands(parser):
+    """(name, parser) of every subcommand, nested ones included."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, subparser in action.choices.items():
+                yield name, subparser
+                yield from subcommands(subparser)
+
+
+def options(parser):
+    return [action for action in parser._actions if action.option_strings]
+
+
+def interrupted_convert(tmp_path, monkeypatch):
+    def interrupt(path, *args):  # after config.json: the partial folder is not empty
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(converter, "write_safetensors", interrupt)
+    return ["convert", str(bert_folder(tmp_path / "bert")), str(tmp_path / "work" / "out")]
+
+
+def interrupted_finetune(tmp_path, monkeypatch):
+    def interrupt(history, path):  # inside the output folder, after the checkpoints were written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("encoderstack.finetune.plot_losses", interrupt)
+    (tmp_path / "train.csv").write_text(SENTIMENT)
+    model, output = tiny_model_folder(tmp_path / "tiny"), tmp_path / "work" / "out"
+    train = ["--train", str(tmp_path / "train.csv"), "--eval", str(tmp_path / "train.csv")]
+    return ["finetune", "--model", str(model), *train, "--output", str(output), "--epochs", "1", "--batch-size", "4"]
+
+
+@pytest.mark.parametrize("command", [interrupted_convert, interrupted_finetune], ids=["convert", "finetune"])
+def test_ctrl_c_inside_a_command_prints_one_line_exits_130_and_leaves_no_partial_folder(
+    command, tmp_path, monkeypatch, capsys
+):
+    argv = command(tmp_path, monkeypatch)
+    (tmp_path / "work").mkdir()
+    capsys.readouterr()
+    assert main(argv) == 130
+    error = capsys.readouterr().err  # after the progress bars of the run
+    assert error.splitlines()[-1] == "encoderstack: interrupted" and "Traceback" not in error, error[-3000:]
+    assert list((tmp_path / "work").iterdir()) == []  # neither the output, nor its partial or scratch folders
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["finetune", "--lr", "-1e-4"],
+        ["pretrain", "--config", "hidden_size=32", "--train", "c.txt", "--mlm-probability", "-1.5E-1"],
+        ["diagnose", "--lr", "-3e-3"],
+    ],
+)
+def test_a_negative_number_in_scientific_notation_gets_the_option_s_own_message(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.endswith(f"error: argument {argv[-2]}: expected a positive finite number, got '{argv[-1]}'"), error
+
+
+def test_convert_with_its_source_as_output_says_so_without_blaming_a_link(tmp_path, monkeypatch, capsys):
+    source = bert_folder(tmp_path / "src")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()  # what saving the source printed
+    assert main(["convert", "src", "src", "--force"]) == 2
+    assert capsys.readouterr().err == (
+        f"encoderstack: error: {source}: the output folder is the source folder {source}\n"
+    )
+    (tmp_path / "link").symlink_to(source)
+    assert main(["convert", "src", "link", "--force"]) == 2
+    assert capsys.readouterr().err.endswith(f"is the source folder {source} (through a link)\n")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["link", "src"]
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"encoderstack {encoderstack.__version__}\n"
+
+
+def test_every_option_of_every_command_has_a_help_text():
+    commands = dict(subcommands(build_parser()))
+    assert set(COMMANDS) <= set(commands)
+    missing = [
+        f"{name} {option.option_strings[0]}"
+        for name, parser in commands.items()
+        for option in options(parser)
+        if not option.help
+    ]
+    assert missing == []
+
+
+def test_every_option_with_a_default_shows_it_in_the_help(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option, so that no default is wrapped
+    for name, parser in subcommands(build_parser()):
+        help_text = parser.format_help()
+        for option in options(parser):
+            if option.default in (None, argparse.SUPPRESS) or option.default is False or "default" in option.help:
+                continue
+            assert f"{option.help} (default: {option.default})" in help_text, (name, option.option_strings)
