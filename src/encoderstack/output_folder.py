@@ -2,7 +2,8 @@
 
 A folder is built in a hidden sibling and renamed into place at the end; an error, Ctrl-C or a terminating signal
 removes the hidden folder instead. `force` replaces an empty folder or one that holds the record one of our commands
-writes (see RECORDS), never the current or home folder, a file, a link, or a folder that holds the inputs.
+writes (see RECORDS), never the current or home folder, a file, a link, or a folder that holds the inputs. The
+hidden folders a command keeps beside its output (checkpoints, caches) come from here too, under the same rules.
 """
 
 import json
@@ -20,6 +21,7 @@ RECORDS = (
     ("export.json", ("encoderstack_version", "exported_from")),  # export-bert
     ("export.json", ("encoderstack_version", "opset")),  # export-onnx
     ("finetune.json", ("base_model", "settings", "after")),  # finetune
+    ("pretrain.json", ("base_model", "data", "settings", "after")),  # pretrain
     ("results.json", ("settings", "results")),  # diagnose
 )
 TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
@@ -80,17 +82,27 @@ class OutputFolder:
     """A folder that appears only when complete: built in a hidden sibling, renamed into place on success.
 
     Everything is checked here, before any work: the inputs (`inputs`: the files and folders the result is made
-    from) may not lie inside the output, nor the output inside them; an existing output is replaced only with
-    `force` and only when it is ours or empty (checked again before publishing: the work may take hours); the
-    nearest existing folder above must take a new folder."""
+    from; anything that is not a local path, such as None, a Hub id or a model instance, is skipped) may not lie
+    inside the output, nor the output inside them, nor may they lie inside a hidden sibling the command deletes
+    (`siblings`: the names given to `sibling`); an existing output is replaced only with `force` and only when it
+    is ours or empty (checked again before publishing: the work may take hours); the nearest existing folder above
+    must take a new folder."""
 
-    def __init__(self, path, force: bool, inputs=()):
+    def __init__(self, path, force: bool, inputs=(), siblings=()):
         self.path = Path(path).absolute()
         self.force = force
-        for source in (Path(item).absolute() for item in inputs if os.path.lexists(item)):
+        sources = [Path(item).absolute() for item in inputs if isinstance(item, (str, os.PathLike))]
+        for source in (source for source in sources if os.path.lexists(source)):
             self._refuse_overlap(source)
+            for name in siblings:
+                self._refuse_inside_sibling(source, self.sibling(name))
         self._refuse_existing()
         self._probe_writable()
+
+    def sibling(self, name: str) -> Path:
+        """The hidden folder `.OUTPUT.name` beside the output, where a command keeps what outlives a run (checkpoints
+        to resume from) until the output is complete."""
+        return self.path.parent / f".{self.path.name}.{name}"
 
     def _refuse_overlap(self, source: Path):
         output = _identity(self.path)
@@ -101,6 +113,13 @@ class OutputFolder:
         if output is not None and output in _above(source):
             raise OutputFolderError(
                 f"{self.path}: the source {source} lies inside the output folder; replacing the folder would delete it"
+            )
+
+    def _refuse_inside_sibling(self, source: Path, sibling: Path):
+        if _identity(sibling) is not None and _identity(sibling) in {_identity(source)} | _above(source):
+            raise OutputFolderError(
+                f"{self.path}: the source {source} lies inside {sibling}, the hidden folder this command keeps beside "
+                "its output and deletes; move it out first"
             )
 
     def _refuse_existing(self):
