@@ -14,7 +14,6 @@ import os
 import shutil
 import sys
 import sysconfig
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -469,7 +468,7 @@ def pretrain(
         "eval_steps": eval_steps,
     }
     checkpoint = resume_point(scratch, resume, force, settings)
-    with tempfile.TemporaryDirectory(prefix=f".{destination.path.name}.data-", dir=destination.path.parent) as cache:
+    with destination.scratch("data") as cache:  # removed on a terminating signal too, not only on Ctrl-C
         tokenizer, train_set, eval_set, data = prepare_text(
             train_files,
             eval_files,

@@ -149,8 +149,9 @@ def run_report(
     with single_threaded(), ExitStack() as stack:
         text = None
         if settings.corpus is not None:
-            text = stack.enter_context(corpus_text(settings.corpus, output.path.parent, settings.seed))
-            scratch = stack.enter_context(TemporaryDirectory(prefix=".encoderstack-trainer-", dir=output.path.parent))
+            work = stack.enter_context(output.scratch("work"))  # removed on a terminating signal too
+            text = stack.enter_context(corpus_text(settings.corpus, work, settings.seed))
+            scratch = stack.enter_context(TemporaryDirectory(prefix=".encoderstack-trainer-", dir=work))
         for num_layers in settings.layers:
             for placement in settings.placements:
                 start = time.perf_counter()
