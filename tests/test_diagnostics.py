@@ -6,12 +6,14 @@ import hashlib
 import json
 import math
 import re
+import signal
 import sys
 
 import pytest
 import torch
 import transformers
 from conftest import PLACEMENTS, build, real
+from test_pretrain_output import sigterm_after
 from transformers import BertConfig, BertForMaskedLM
 
 import encoderstack
@@ -429,6 +431,16 @@ def test_the_corpus_route_trains_on_the_very_sequences_pretrain_trains_on(text, 
     assert len(tokenizers) == 1 and len(diagnosed) == 2 and all(run == pretrained for run in diagnosed)
     data = json.loads((tmp_path / "report" / "results.json").read_text())["data"]
     assert data == {**record["data"], "corpus": str(text)}
+
+
+def test_a_sigterm_during_the_corpus_route_leaves_no_data_cache_beside_the_report(text, tmp_path, monkeypatch):
+    sigterm_after(corpus_route, "prepare_text", monkeypatch)
+    with pytest.raises(SystemExit) as exit:
+        diagnose(
+            "--layers", "1", "--steps", "1", "--hidden-size", "16", "--corpus", str(text), "--out", str(tmp_path / "r")
+        )
+    assert exit.value.code == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_corpus_stdlib_is_pretrains_stdlib_corpus_built_at_run_time(tmp_path, monkeypatch):

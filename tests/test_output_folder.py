@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -283,6 +284,48 @@ def test_a_sigterm_during_the_write_leaves_no_partial_folder_and_lets_the_caller
     assert len(hidden_leftovers(tmp_path)) == 1  # the partial folder exists while it writes
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == 128 + signal.SIGTERM  # the shell's status for death by that signal
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sigterm_between_making_and_removing_the_probe_folder_leaves_no_probe(source, tmp_path, monkeypatch):
+    real = tempfile.mkdtemp
+
+    def mkdtemp(*args, prefix=None, **kwargs):
+        folder = real(*args, prefix=prefix, **kwargs)
+        if ".probe-" in prefix:
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL, "a SIGTERM would end us, now or unblocked"
+            signal.raise_signal(signal.SIGTERM)
+        return folder
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    with pytest.raises(SystemExit) as exit:
+        main(["convert", str(source), str(tmp_path / "out")])
+    assert exit.value.code == 128 + signal.SIGTERM
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bert"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_sigterm_that_another_thread_receives_during_the_probe_leaves_no_probe(tmp_path):
+    """The kernel hands a process's signal to any thread that does not block it (torch and tokenizers start some):
+    blocking it in the main thread is not enough, our handler must catch it and hold it until the probe is gone."""
+    out = str(tmp_path / "out")
+    script = textwrap.dedent(f"""
+        import signal, tempfile, threading, time
+        from encoderstack.output_folder import OutputFolder
+        idle = threading.Thread(target=threading.Event().wait, daemon=True)
+        idle.start()
+        real = tempfile.mkdtemp
+        def mkdtemp(*args, prefix=None, **kwargs):
+            folder = real(*args, prefix=prefix, **kwargs)
+            if ".probe-" in prefix:
+                signal.pthread_kill(idle.ident, signal.SIGTERM)
+                time.sleep(1)  # time for the other thread to take it: the default action would end the process now
+            return folder
+        tempfile.mkdtemp = mkdtemp
+        OutputFolder({out!r}, force=False)
+    """)
+    process = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, process.stderr[-3000:]
     assert list(tmp_path.iterdir()) == []
 
 

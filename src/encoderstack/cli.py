@@ -241,7 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the vocab.txt tokenizer lower-cases (default: from the folder name, uncased/cased)",
     )
     casing.add_argument("--cased", dest="lowercase", action="store_false", help="the vocab.txt tokenizer keeps case")
-    convert.set_defaults(run=convert_command)
+    # reads: every path argument the command reads, all given to its OutputFolder as inputs; writes: its output
+    # folder (tests/test_inputs_are_never_outputs.py runs each of the first as the second)
+    convert.set_defaults(run=convert_command, reads=("source",), writes="output")
 
     tune = commands.add_parser("finetune", help="fine-tune with transformers' Trainer (works under torchrun)")
     tune.add_argument(
@@ -273,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="token classification: each batch as one flattened row (DataCollatorWithFlattening)",
     )
     tune.add_argument("--force", action="store_true", help="replace an existing output folder")
-    tune.set_defaults(run=finetune_command)
+    tune.set_defaults(run=finetune_command, reads=("model", "train", "eval"), writes="output")
 
     pre = commands.add_parser("pretrain", help="masked-LM pre-training, fresh or continued, on packed sequences")
     start = pre.add_mutually_exclusive_group(required=True)
@@ -317,13 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pre.add_argument("--resume", action="store_true", help="continue from the last checkpoint of an unfinished run")
     pre.add_argument("--force", action="store_true", help="replace an existing output folder, or start over")
-    pre.set_defaults(run=pretrain_command)
+    pre.set_defaults(run=pretrain_command, reads=("model", "config", "tokenizer", "train", "eval"), writes="output")
 
     export = commands.add_parser("export-bert", help="turn a post-LN EncoderStack folder back into a BERT folder")
     export.add_argument("source", help="post-LN EncoderStack folder")
     export.add_argument("output", help="output folder (a BERT checkpoint)")
     export.add_argument("--force", action="store_true", help="replace an existing output folder")
-    export.set_defaults(run=export_command)
+    export.set_defaults(run=export_command, reads=("source",), writes="output")
     onnx = commands.add_parser("export-onnx", help="export to ONNX (padded path) and verify it in ONNX Runtime")
     onnx.add_argument("model", help="EncoderStack folder")
     onnx.add_argument("output", help="output folder (model.onnx, config.json, tokenizer, export.json)")
@@ -336,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     onnx.add_argument(
         "--force", action="store_true", help="replace an existing output folder; keep an int8 model below cosine 0.99"
     )
-    onnx.set_defaults(run=export_onnx_command)
+    onnx.set_defaults(run=export_onnx_command, reads=("model",), writes="output")
     add_hub_commands(commands)
     add_diagnose_command(commands)
     return parser

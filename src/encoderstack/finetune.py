@@ -410,7 +410,8 @@ def finetune(
         if Path(train) != DATA / "train.csv":  # scoring your data's model on the shipped reviews would look plausible
             raise FinetuneError(f"{train}: no evaluation data given for it (eval, --eval)")
         eval = DATA / "dev.csv"
-    destination = OutputFolder(output, force, inputs=[model, train, eval])  # before any work: the output is usable
+    # before any work: the output is usable, and no input lies where the run writes, replaces or deletes
+    destination = OutputFolder(output, force, inputs=[model, train, eval], siblings=["checkpoints"])
     spec = TASKS[task]
     config = model_config(model)
     train_rows, eval_rows = read_rows(train), read_rows(eval)
@@ -431,7 +432,7 @@ def finetune(
     train_set = [train_set[i] for i in order]
     eval_set = spec.encode(eval_rows, eval, tokenizer, label2id, max_length, positions)
 
-    checkpoints = destination.path.parent / f".{destination.path.name}.checkpoints"
+    checkpoints = destination.sibling("checkpoints")
     try:
         args = transformers.TrainingArguments(
             output_dir=str(checkpoints),

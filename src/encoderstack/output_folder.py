@@ -2,7 +2,8 @@
 
 A folder is built in a hidden sibling and renamed into place at the end; an error, Ctrl-C or a terminating signal
 removes the hidden folder instead. `force` replaces an empty folder or one that holds the record one of our commands
-writes (see RECORDS), never the current or home folder, a file, a link, or a folder that holds the inputs.
+writes (see RECORDS), never the current or home folder, a file, a link, or a folder that holds the inputs. The
+hidden folders a command keeps beside its output (checkpoints, caches) come from here too, under the same rules.
 """
 
 import json
@@ -20,6 +21,7 @@ RECORDS = (
     ("export.json", ("encoderstack_version", "exported_from")),  # export-bert
     ("export.json", ("encoderstack_version", "opset")),  # export-onnx
     ("finetune.json", ("base_model", "settings", "after")),  # finetune
+    ("pretrain.json", ("base_model", "data", "settings", "after")),  # pretrain
     ("results.json", ("settings", "results")),  # diagnose
 )
 TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
@@ -34,21 +36,56 @@ class Terminated(SystemExit):
     quietly with the shell's status for that signal, 128 + its number."""
 
 
+_held = []  # terminating signals that arrived while the main thread was in _signals_deferred
+_deferring = 0  # how deep the main thread is in _signals_deferred
+
+
 def _terminate(signum, frame):
+    if _deferring:
+        _held.append(signum)
+        return
     raise Terminated(128 + signum)
+
+
+def _terminating_signals_raise() -> dict:
+    """Make terminating signals raise Terminated; returns the handlers to put back. Only where the signal would kill
+    us without cleanup (the default action, main thread): a program's own handler stays in charge."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {
+        signum: signal.signal(signum, _terminate)
+        for signum in TERMINATING
+        if signal.getsignal(signum) == signal.SIG_DFL
+    }
+
+
+def _restore(handlers: dict) -> None:
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
 
 
 @contextmanager
 def _signals_deferred():
-    """Terminating signals that arrive meanwhile wait until the end, so that a cleanup or publish is never cut."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINATING)
+    """Terminating signals that arrive meanwhile wait until the end, so that a cleanup or publish is never cut. The
+    calling thread blocks them; in the main thread our handler also holds one that another thread received (torch
+    and tokenizers start threads, and the kernel hands a signal to any thread that does not block it)."""
+    global _deferring
+    main = threading.current_thread() is threading.main_thread()
+    _deferring += main
+    handlers, mask = {}, None
     try:
+        handlers = _terminating_signals_raise()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINATING) if hasattr(signal, "pthread_sigmask") else None
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if mask is not None:  # runs the handler of a signal the mask kept back, before it returns: ours holds it
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        _deferring -= main
+        _restore(handlers)
+        if main and not _deferring and _held:
+            signum = _held[0]
+            _held.clear()
+            raise Terminated(128 + signum)
 
 
 def _identity(path) -> tuple | None:
@@ -72,6 +109,15 @@ def _record_is_ours(path: Path, keys: tuple) -> bool:
     return isinstance(record, dict) and all(key in record for key in keys)
 
 
+def _remove_empty(folders: list) -> None:
+    """Remove the folders a run made for its output, nearest first, up to the first one that holds something."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+
+
 def written_by_us(folder: Path) -> bool:
     return any(_record_is_ours(folder / name, keys) for name, keys in RECORDS)
 
@@ -80,17 +126,46 @@ class OutputFolder:
     """A folder that appears only when complete: built in a hidden sibling, renamed into place on success.
 
     Everything is checked here, before any work: the inputs (`inputs`: the files and folders the result is made
-    from) may not lie inside the output, nor the output inside them; an existing output is replaced only with
-    `force` and only when it is ours or empty (checked again before publishing: the work may take hours); the
-    nearest existing folder above must take a new folder."""
+    from; anything that is not a local path, such as None, a Hub id or a model instance, is skipped) may not lie
+    inside the output, nor the output inside them, nor may they lie inside a hidden sibling the command deletes
+    (`siblings`: the names given to `sibling`); an existing output is replaced only with `force` and only when it
+    is ours or empty (checked again before publishing: the work may take hours); the nearest existing folder above
+    must take a new folder."""
 
-    def __init__(self, path, force: bool, inputs=()):
+    def __init__(self, path, force: bool, inputs=(), siblings=()):
         self.path = Path(path).absolute()
         self.force = force
-        for source in (Path(item).absolute() for item in inputs if os.path.lexists(item)):
+        sources = [Path(item).absolute() for item in inputs if isinstance(item, (str, os.PathLike))]
+        for source in (source for source in sources if os.path.lexists(source)):
             self._refuse_overlap(source)
+            for name in siblings:
+                self._refuse_inside_sibling(source, self.sibling(name))
         self._refuse_existing()
         self._probe_writable()
+
+    def sibling(self, name: str) -> Path:
+        """The hidden folder `.OUTPUT.name` beside the output, where a command keeps what outlives a run (checkpoints
+        to resume from) until the output is complete."""
+        return self.path.parent / f".{self.path.name}.{name}"
+
+    @contextmanager
+    def scratch(self, name: str):
+        """A new hidden folder `.OUTPUT.name-XXXX` beside the output for the work's own files (a data cache),
+        removed at the end, on an error, Ctrl-C, or a terminating signal."""
+        handlers = _terminating_signals_raise()
+        created = [parent for parent in self.path.parents if not parent.exists()]
+        folder = None
+        try:
+            with _signals_deferred():
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                folder = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.{name}-", dir=self.path.parent))
+            yield folder
+        finally:
+            with _signals_deferred():
+                if folder is not None:
+                    shutil.rmtree(folder, ignore_errors=True)
+                _remove_empty(created)
+                _restore(handlers)
 
     def _refuse_overlap(self, source: Path):
         output = _identity(self.path)
@@ -103,6 +178,13 @@ class OutputFolder:
         if output is not None and output in _above(source):
             raise OutputFolderError(
                 f"{self.path}: the source {source} lies inside the output folder; replacing the folder would delete it"
+            )
+
+    def _refuse_inside_sibling(self, source: Path, sibling: Path):
+        if _identity(sibling) is not None and _identity(sibling) in {_identity(source)} | _above(source):
+            raise OutputFolderError(
+                f"{self.path}: the source {source} lies inside {sibling}, the hidden folder this command keeps beside "
+                "its output and deletes; move it out first"
             )
 
     def _refuse_existing(self):
@@ -136,21 +218,15 @@ class OutputFolder:
         if not above.is_dir():
             raise OutputFolderError(f"{self.path}: cannot be created: {above} is a file, not a folder")
         try:
-            os.rmdir(tempfile.mkdtemp(prefix=f".{self.path.name}.probe-", dir=above))
+            with _signals_deferred():  # a signal between the two must not leave the probe behind
+                os.rmdir(tempfile.mkdtemp(prefix=f".{self.path.name}.probe-", dir=above))
         except OSError as error:
             raise OutputFolderError(f"{self.path}: cannot be created in {above}: {error.strerror}") from None
 
     def __enter__(self) -> Path:
         self.created = [parent for parent in self.path.parents if not parent.exists()]
         self.partial = None
-        self.handlers = {}
-        if threading.current_thread() is threading.main_thread():
-            # only where the signal would kill us without cleanup; a program's own handler stays in charge
-            self.handlers = {
-                signum: signal.signal(signum, _terminate)
-                for signum in TERMINATING
-                if signal.getsignal(signum) == signal.SIG_DFL
-            }
+        self.handlers = _terminating_signals_raise()
         try:
             with _signals_deferred():
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -173,9 +249,8 @@ class OutputFolder:
                 if not published:
                     if self.partial is not None:
                         shutil.rmtree(self.partial, ignore_errors=True)
-                    self._remove_created()
-                for signum, handler in self.handlers.items():
-                    signal.signal(signum, handler)
+                    _remove_empty(self.created)
+                _restore(self.handlers)
         return False
 
     def _publish(self):
@@ -191,10 +266,3 @@ class OutputFolder:
             os.replace(self.partial, self.path)
         except OSError as error:
             raise OutputFolderError(f"{self.path}: could not be put in place: {error}") from None
-
-    def _remove_created(self):
-        for parent in self.created:  # nearest first; stops at the first one that is not empty
-            try:
-                parent.rmdir()
-            except OSError:
-                break

@@ -14,7 +14,6 @@ import os
 import shutil
 import sys
 import sysconfig
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -363,7 +362,7 @@ def check_pretrain_settings(
 
 def scratch_folder(destination: OutputFolder) -> Path:
     """Checkpoints live beside the output, hidden, until the run has finished: `resume` picks up the last one."""
-    return destination.path.parent / f".{destination.path.name}.checkpoints"
+    return destination.sibling("checkpoints")
 
 
 def resume_point(scratch: Path, resume: bool, force: bool, settings: dict) -> str | None:
@@ -446,12 +445,13 @@ def pretrain(
         raise PretrainError(
             "a fresh model (config) needs exactly one of tokenizer (a folder) or train_tokenizer (a vocabulary size)"
         )
+    # before any work: no input may lie where the run writes, replaces or deletes
+    destination = OutputFolder(output, force, inputs=[model, config, tokenizer, train, eval], siblings=["checkpoints"])
     folder_config = model_config(model) if model is not None else None
     config = checked_config(config) if config is not None else None
     check_positions(max_length, folder_config or config)
     train_files = {f: sha256(f) for f in text_files(train)}
     eval_files = {f: sha256(f) for f in text_files(eval)} if eval is not None else {}
-    destination = OutputFolder(output, force)
     scratch = scratch_folder(destination)
     settings = {
         "mlm_probability": mlm_probability,
@@ -468,7 +468,7 @@ def pretrain(
         "eval_steps": eval_steps,
     }
     checkpoint = resume_point(scratch, resume, force, settings)
-    with tempfile.TemporaryDirectory(prefix=f".{destination.path.name}.data-", dir=destination.path.parent) as cache:
+    with destination.scratch("data") as cache:  # removed on a terminating signal too, not only on Ctrl-C
         tokenizer, train_set, eval_set, data = prepare_text(
             train_files,
             eval_files,

@@ -83,7 +83,7 @@ def add_diagnose_command(commands) -> argparse.ArgumentParser:
     diagnose.add_argument("--out", default=DEFAULT_OUTPUT, help=f"report folder (default ./{DEFAULT_OUTPUT})")
     diagnose.add_argument("--quick", action="store_true", help="small depths and few steps: about a minute")
     diagnose.add_argument("--force", action="store_true", help="replace an existing report folder")
-    diagnose.set_defaults(run=diagnose_command)
+    diagnose.set_defaults(run=diagnose_command, reads=("corpus",), writes="out")
     return diagnose
 
 

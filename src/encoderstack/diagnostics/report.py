@@ -15,7 +15,7 @@ import torch
 
 from ..configuration_encoderstack import NORM_PLACEMENTS
 from ..output_folder import OutputFolder
-from .corpus import CorpusText, corpus_text, describe, initial_model, text_trainer
+from .corpus import STDLIB, CorpusText, corpus_text, describe, initial_model, text_trainer
 from .measure import activation_rms_per_layer, consecutive_layer_similarity, gradient_norms_per_layer
 from .plots import require_matplotlib, write_figures
 from .synthetic import (
@@ -144,13 +144,14 @@ def run_report(
     renamed into place at the end.
     """
     require_matplotlib()
-    output = OutputFolder(out, force)
+    output = OutputFolder(out, force, inputs=[settings.corpus] if settings.corpus != STDLIB else [])
     results, began = [], time.perf_counter()
     with single_threaded(), ExitStack() as stack:
         text = None
         if settings.corpus is not None:
-            text = stack.enter_context(corpus_text(settings.corpus, output.path.parent, settings.seed))
-            scratch = stack.enter_context(TemporaryDirectory(prefix=".encoderstack-trainer-", dir=output.path.parent))
+            work = stack.enter_context(output.scratch("work"))  # removed on a terminating signal too
+            text = stack.enter_context(corpus_text(settings.corpus, work, settings.seed))
+            scratch = stack.enter_context(TemporaryDirectory(prefix=".encoderstack-trainer-", dir=work))
         for num_layers in settings.layers:
             for placement in settings.placements:
                 start = time.perf_counter()
