@@ -295,21 +295,22 @@ def one_line_error(capsys) -> str:
 
 
 def test_a_resumed_run_refuses_a_changed_tokenizer_folder_and_masks_and_trains_exactly_as_an_uninterrupted_one(
-    corpus, tmp_path, monkeypatch
+    tmp_path, monkeypatch
 ):
     settings = {
         "config": TINY,
         "tokenizer": copy_tokenizer(tmp_path / "tokenizer"),
-        "train": corpus,
+        "train": stdlib_corpus(tmp_path / "train.txt", max_bytes=2_000),
+        "eval": tmp_path / "train.txt",  # learning is not the point here; a small eval set of many masked tokens is
         "max_length": 32,
-        "batch_size": 48,
+        "batch_size": 8,
         "max_steps": 4,
         "eval_steps": 2,
     }
     batches = record_training_batches(monkeypatch)
     whole = pretrain(**settings, output=tmp_path / "whole")
     assert whole["steps"] == 4 and len(batches) == 4
-    assert whole["data"]["train_sequences"] <= 3 * 48  # 3 steps an epoch: the resumed run crosses into the next
+    assert whole["data"]["train_sequences"] <= 3 * 8  # 3 steps an epoch: the resumed run crosses into the next
     whole_batches = list(batches)
     with monkeypatch.context() as patch:
         interrupt_at(patch, 3)
@@ -335,7 +336,7 @@ def test_a_resumed_run_refuses_a_changed_tokenizer_folder_and_masks_and_trains_e
     assert record["eval_loss_after"] == whole["eval_loss_after"]
     expected = weights(tmp_path / "whole")
     assert all(torch.equal(tensor, expected[name]) for name, tensor in weights(tmp_path / "out").items())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tokenizer", "whole"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tokenizer", "train.txt", "whole"]
 
 
 def test_resume_refuses_other_settings_or_inputs_and_reuses_the_tokenizer_the_run_trained(
