@@ -387,23 +387,28 @@ def test_resume_refuses_other_settings_or_inputs_and_reuses_the_tokenizer_the_ru
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.txt", "out", "train.txt"]
 
 
-def test_resume_refuses_a_changed_model_folder_and_falls_back_to_the_last_complete_checkpoint(
+def test_resume_refuses_a_changed_model_folder_and_falls_back_to_the_last_complete_checkpoint_if_any(
     corpus, tmp_path, monkeypatch, capsys
 ):
     model = tiny_model_folder(tmp_path / "model")
     settings = {"model": model, "train": corpus, "output": tmp_path / "out", "max_length": 32, "batch_size": 4}
     settings |= {"max_steps": 4, "eval_steps": 2}
-    save_rng_state = transformers.Trainer._save_rng_state
+    save_rng_state, cut_at = transformers.Trainer._save_rng_state, []
 
-    def interrupted_save(self, output_dir):  # checkpoint-4: weights and optimizer written, the state never
-        if self.state.global_step == 4:
+    def interrupted_save(self, output_dir):  # weights and optimizer written, the trainer state never
+        if self.state.global_step in cut_at:
             raise KeyboardInterrupt
         save_rng_state(self, output_dir)
 
-    with monkeypatch.context() as patch:
-        patch.setattr(transformers.Trainer, "_save_rng_state", interrupted_save)
-        with pytest.raises(KeyboardInterrupt):
-            pretrain(**settings)
+    monkeypatch.setattr(transformers.Trainer, "_save_rng_state", interrupted_save)
+    cut_at[:] = [2]
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(**settings)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # nothing to resume: nothing left behind
+    cut_at[:] = [4]
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(**settings)
+    monkeypatch.undo()
     scratch = tmp_path / ".out.checkpoints"
     assert sorted(p.name for p in scratch.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     original = (model / "config.json").read_text()

@@ -454,10 +454,14 @@ def checkpoints(scratch: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
+def is_complete(checkpoint: Path) -> bool:
+    return (checkpoint / TRAINER_STATE).is_file()
+
+
 def resume_point(scratch: Path, resume: bool, force: bool, run: dict) -> str | None:
     """The checkpoint to resume from (None: start over), once the interrupted run is known to be this one: the same
     settings and inputs (`run`), its tokenizer saved, a complete checkpoint (one whose save was not cut short)."""
-    saved_points = checkpoints(scratch) if scratch.is_dir() else []
+    saved_points = checkpoints(scratch)
     if not resume:
         if saved_points and not force:
             raise PretrainError(
@@ -478,7 +482,7 @@ def resume_point(scratch: Path, resume: bool, force: bool, run: dict) -> str | N
         raise PretrainError(f"{scratch}: {difference}; resume with the same inputs, or start over with --force")
     if not has_tokenizer(scratch / "tokenizer"):
         raise PretrainError(f"{scratch}: the interrupted run's tokenizer is missing; start over with --force")
-    complete = [p for p in saved_points if (p / TRAINER_STATE).is_file()]
+    complete = list(filter(is_complete, saved_points))
     if not complete:
         raise PretrainError(
             f"{scratch}: no complete checkpoint to resume from ({saved_points[-1].name} was interrupted while being "
@@ -781,8 +785,8 @@ def train_and_save(
     baseline = copy.deepcopy(network)
     try:
         result = trainer.train(resume_from_checkpoint=checkpoint)
-    except BaseException:  # an interrupted run keeps its checkpoints for --resume; one that saved none leaves nothing
-        if args.should_save and transformers.trainer_utils.get_last_checkpoint(str(scratch)) is None:
+    except BaseException:  # an interrupted run keeps its checkpoints for --resume, if one is complete
+        if args.should_save and not any(map(is_complete, checkpoints(scratch))):
             shutil.rmtree(scratch, ignore_errors=True)
         raise
     history = list(trainer.state.log_history)
