@@ -704,10 +704,10 @@ def prepare_text(
 
 def check_tokens(chunks, files: dict, where) -> None:
     """Text the tokenizer turns into nothing (control characters only, say) fails before training, named."""
-    counts = collections.Counter(chunks["file"]) if len(chunks) else {}
-    empty = [file for index, file in enumerate(files) if not counts.get(index)] or ([] if counts else [where])
-    if empty:
-        raise DataError(f"{empty[0]}: no tokens (the tokenizer turns the text into nothing)")
+    counts = collections.Counter(chunks["file"]) if len(chunks) else collections.Counter()
+    empty = [file for index, file in enumerate(files) if not counts[index]]
+    if empty or not counts:
+        raise DataError(f"{empty[0] if empty else where}: no tokens (the tokenizer turns the text into nothing)")
 
 
 def training_arguments(settings: dict, scratch: Path, **overrides) -> transformers.TrainingArguments:
