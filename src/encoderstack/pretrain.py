@@ -7,7 +7,9 @@ them, read line by line (checked as it is read) into a `datasets` Arrow cache th
 """
 
 import ast
+import collections
 import copy
+import hashlib
 import json
 import math
 import os
@@ -21,8 +23,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from .checkpoint import sha256
+from .checkpoint import TOKENIZER_FILES, has_tokenizer, sha256
 from .configuration_encoderstack import EncoderStackConfig
+from .conversion import ConversionError
+from .conversion.converter import open_source
+from .conversion.sources import has_hf_weights
 from .finetune import DataError, FinetuneError, check_settings, is_integer, load_tokenizer, model_config, plot_losses
 from .hub_card import write_card
 from .jsonfile import read_json_object
@@ -35,6 +40,7 @@ METRICS = ("mlm_loss", "perplexity", "accuracy")
 EVAL_MASK_SEED = 1234  # one masking of the evaluation text for every run, so that runs compare
 HELD_OUT = 0.1  # of the training documents, when no evaluation text is given
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+TRAINER_STATE = "trainer_state.json"  # Trainer writes it last into a checkpoint: a folder without it was cut short
 
 
 class PretrainError(FinetuneError):
@@ -149,10 +155,18 @@ def chunker(tokenizer, max_length: int, offsets: bool):
     return chunk
 
 
-class MaskedFlattening:
+def example_seed(seed: int, epoch: int, row: int) -> int:
+    """The masking seed of one sequence (its `row` in the training set) in one epoch. A run masks each sequence the
+    same way whether or not it was interrupted and resumed: one generator for the whole run would restart on resume,
+    and its state at a checkpoint would be a batch off (accelerate collates a batch ahead of the one trained)."""
+    return int.from_bytes(hashlib.blake2b(f"{seed} {epoch} {row}".encode(), digest_size=8).digest(), "little")
+
+
+class MaskedFlattening(transformers.TrainerCallback):
     """The collator: masks each sequence on its own with transformers' `DataCollatorForLanguageModeling` logic
-    (BERT's 80/10/10, or whole words), seeded, then flattens the batch into one row. Sequences that already carry
-    labels (the evaluation set, masked once with a fixed seed) are flattened as they are."""
+    (BERT's 80/10/10, or whole words), seeded by (seed, epoch, row), then flattens the batch into one row. Sequences
+    that already carry labels (the evaluation set, masked once with a fixed seed) are flattened as they are. As a
+    Trainer callback it learns the epoch, so that each epoch masks a sequence anew."""
 
     def __init__(self, tokenizer, mlm_probability: float, whole_word_mask: bool, seed: int):
         with warnings.catch_warnings():  # whole words: transformers masks with [MASK] only, and says so each time
@@ -160,11 +174,15 @@ class MaskedFlattening:
             self.masking = transformers.DataCollatorForLanguageModeling(
                 tokenizer, mlm_probability=mlm_probability, whole_word_mask=whole_word_mask, seed=seed
             )
-        self.masking.create_rng("pt")
+        self.seed, self.epoch = seed, 0
         self.special = torch.tensor(tokenizer.all_special_ids)
         self.flatten = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
 
-    def mask(self, example: dict) -> dict:
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.epoch = int(state.epoch)  # a resumed run begins in the epoch it was interrupted in
+
+    def mask(self, example: dict, row: int) -> dict:
+        self.masking.generator = torch.Generator().manual_seed(example_seed(self.seed, self.epoch, row))
         ids = torch.tensor(example["input_ids"])[None]
         offsets = torch.tensor(example["offsets"])[None] if "offsets" in example else None
         ids, labels = self.masking.torch_mask_tokens(
@@ -174,7 +192,9 @@ class MaskedFlattening:
 
     def __call__(self, examples):
         # Trainer evaluates with the training collator too: the evaluation set comes masked once, and stays so
-        return self.flatten([example if "labels" in example else self.mask(example) for example in examples])
+        return self.flatten(
+            [example if "labels" in example else self.mask(example, example["row"]) for example in examples]
+        )
 
 
 def data_record(files: dict, chunks) -> list[dict]:
@@ -266,7 +286,26 @@ def check_tokenizer(tokenizer, where) -> None:
             )
 
 
-def choose_tokenizer(model, tokenizer, train_tokenizer, config, documents):
+def check_tokenizer_folder(tokenizer) -> None:
+    folder = Path(tokenizer)
+    if not folder.is_dir():
+        raise PretrainError(f"{folder}: no such tokenizer folder")
+    if not has_tokenizer(folder):
+        raise PretrainError(f"{folder}: no tokenizer files ({' or '.join(TOKENIZER_FILES)}) in the folder")
+
+
+def check_weights(model) -> None:
+    """A model folder without weights fails here, before any data is read (transformers would fail after)."""
+    if not has_hf_weights(Path(model)):
+        try:
+            open_source(model)  # a BERT folder may hold a TensorFlow checkpoint: from_pretrained converts it
+        except ConversionError as error:
+            raise PretrainError(str(error)) from None
+
+
+def choose_tokenizer(model, tokenizer, train_tokenizer, config, documents, saved=None):
+    if saved is not None:  # a resumed run's own tokenizer: training another would give other ids
+        return load_tokenizer(saved, config or {})
     if model is not None:
         return load_tokenizer(model, config)
     if tokenizer is not None:
@@ -365,24 +404,96 @@ def scratch_folder(destination: OutputFolder) -> Path:
     return destination.sibling("checkpoints")
 
 
-def resume_point(scratch: Path, resume: bool, force: bool, settings: dict) -> str | None:
-    last = transformers.trainer_utils.get_last_checkpoint(str(scratch)) if scratch.is_dir() else None
-    if resume:
-        if last is None:
-            raise PretrainError(f"{scratch}: no checkpoint to resume from")
-        saved = read_json_object(scratch / "settings.json", PretrainError)
-        if changed := [key for key in settings if saved.get(key) != settings[key]]:
-            raise PretrainError(
-                f"{scratch}: the interrupted run had {changed[0]}={saved.get(changed[0])!r}, this one "
-                f"{settings[changed[0]]!r}; resume with the same settings"
-            )
-        return last
-    if last is not None and not force:
-        raise PretrainError(
-            f"{scratch}: checkpoints of an unfinished run; pass --resume (resume=True) to continue "
-            "it or --force (force=True) to start over"
-        )
+def folder_digest(folder) -> dict:
+    """The sha256 of each file of a model or tokenizer folder but its card: what a resumed run must find again."""
+    return {p.name: sha256(p) for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != "README.md"}
+
+
+def run_inputs(model, config, tokenizer, train_tokenizer, train_files: dict, eval_files: dict) -> dict:
+    """What a run is made from, by content (as JSON would give it back): a resumed run must be made from the same."""
+    inputs = {
+        "train": list(train_files.values()),
+        "eval": list(eval_files.values()),
+        "model": folder_digest(model) if model is not None else None,
+        "config": config,
+        "tokenizer": folder_digest(tokenizer) if tokenizer is not None else None,
+        "train_tokenizer": train_tokenizer,
+    }
+    return json.loads(json.dumps(inputs, default=str))
+
+
+INPUT_NAMES = {
+    "train": "the training text (train, --train)",
+    "eval": "the evaluation text (eval, --eval)",
+    "model": "the model folder (model, --model)",
+    "config": "the config (config, --config)",
+    "tokenizer": "the tokenizer folder (tokenizer, --tokenizer)",
+    "train_tokenizer": "train_tokenizer (--train-tokenizer)",
+}
+
+
+def changed_input(saved: dict, inputs: dict) -> str | None:
+    """How this run's inputs differ from the interrupted run's, in words; None if they do not."""
+    for key, value in inputs.items():
+        before = saved.get(key)
+        if before == value:
+            continue
+        if isinstance(before, dict) and isinstance(value, dict):
+            name = min(name for name in {*before, *value} if before.get(name) != value.get(name))
+            return f"{INPUT_NAMES[key]}: {name} is not the interrupted run's"
+        if isinstance(value, list):
+            return f"{INPUT_NAMES[key]} is not the interrupted run's (the sha256 of its files differ)"
+        return f"{INPUT_NAMES[key]} was {before!r} in the interrupted run, now {value!r}"
     return None
+
+
+def checkpoints(scratch: Path) -> list[Path]:
+    """The run's checkpoint-N folders, oldest first."""
+    found = [p for p in scratch.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def is_complete(checkpoint: Path) -> bool:
+    return (checkpoint / TRAINER_STATE).is_file()
+
+
+def resume_point(scratch: Path, resume: bool, force: bool, run: dict) -> str | None:
+    """The checkpoint to resume from (None: start over), once the interrupted run is known to be this one: the same
+    settings and inputs (`run`), its tokenizer saved, a complete checkpoint (one whose save was not cut short)."""
+    saved_points = checkpoints(scratch)
+    if not resume:
+        if saved_points and not force:
+            raise PretrainError(
+                f"{scratch}: checkpoints of an unfinished run; pass --resume (resume=True) to continue "
+                "it or --force (force=True) to start over"
+            )
+        return None
+    if not saved_points:
+        raise PretrainError(f"{scratch}: no checkpoint to resume from")
+    saved = read_json_object(scratch / "run.json", PretrainError)
+    settings, saved_settings = run["settings"], saved.get("settings", {})
+    if changed := [key for key in settings if saved_settings.get(key) != settings[key]]:
+        raise PretrainError(
+            f"{scratch}: the interrupted run had {changed[0]}={saved_settings.get(changed[0])!r}, this one "
+            f"{settings[changed[0]]!r}; resume with the same settings"
+        )
+    if difference := changed_input(saved.get("inputs", {}), run["inputs"]):
+        raise PretrainError(f"{scratch}: {difference}; resume with the same inputs, or start over with --force")
+    if not has_tokenizer(scratch / "tokenizer"):
+        raise PretrainError(f"{scratch}: the interrupted run's tokenizer is missing; start over with --force")
+    complete = list(filter(is_complete, saved_points))
+    if not complete:
+        raise PretrainError(
+            f"{scratch}: no complete checkpoint to resume from ({saved_points[-1].name} was interrupted while being "
+            "saved); start over with --force"
+        )
+    for partial in saved_points[saved_points.index(complete[-1]) + 1 :]:
+        print(
+            f"{partial}: incomplete (its save was interrupted), removed; resuming from {complete[-1].name}",
+            file=sys.stderr,
+        )
+        shutil.rmtree(partial, ignore_errors=True)
+    return str(complete[-1])
 
 
 def pretrain(
@@ -448,6 +559,10 @@ def pretrain(
     # before any work: no input may lie where the run writes, replaces or deletes
     destination = OutputFolder(output, force, inputs=[model, config, tokenizer, train, eval], siblings=["checkpoints"])
     folder_config = model_config(model) if model is not None else None
+    if model is not None:
+        check_weights(model)
+    if tokenizer is not None:
+        check_tokenizer_folder(tokenizer)
     config = checked_config(config) if config is not None else None
     check_positions(max_length, folder_config or config)
     train_files = {f: sha256(f) for f in text_files(train)}
@@ -467,7 +582,8 @@ def pretrain(
         "seed": seed,
         "eval_steps": eval_steps,
     }
-    checkpoint = resume_point(scratch, resume, force, settings)
+    inputs = run_inputs(model, config, tokenizer, train_tokenizer, train_files, eval_files)
+    checkpoint = resume_point(scratch, resume, force, {"settings": settings, "inputs": inputs})
     with destination.scratch("data") as cache:  # removed on a terminating signal too, not only on Ctrl-C
         tokenizer, train_set, eval_set, data = prepare_text(
             train_files,
@@ -483,8 +599,15 @@ def pretrain(
             whole_word_mask,
             seed,
             num_proc,
+            eval=eval,
+            saved_tokenizer=scratch / "tokenizer" if checkpoint is not None else None,
         )
-        record = {"base_model": str(model) if model is not None else None, "data": data, "settings": settings}
+        record = {
+            "base_model": str(model) if model is not None else None,
+            "data": data,
+            "settings": settings,
+            "inputs": inputs,
+        }
         return train_and_save(
             model, config, tokenizer, train_set, eval_set, destination, scratch, checkpoint, record, training_args
         )
@@ -523,17 +646,20 @@ def prepare_text(
     whole_word_mask: bool,
     seed: int,
     num_proc=None,
+    eval=None,
+    saved_tokenizer=None,
 ):
-    """The pre-training data path: documents read into `datasets` under `cache`, the tokenizer (the model folder's,
-    a folder, or trained on the training documents), each document cut into sequences, the evaluation set masked
-    once. Returns (tokenizer, train_set, eval_set, the data record)."""
+    """The pre-training data path: documents read into `datasets` under `cache`, the tokenizer (a resumed run's
+    `saved_tokenizer`, the model folder's, a folder, or trained on the training documents), each document cut into
+    sequences, the evaluation set masked once. Text that gives no tokens, or no masked evaluation token, is refused
+    here. Returns (tokenizer, train_set, eval_set, the data record)."""
     train_docs = load_documents(train_files, cache / "train")
     if eval_files:
         eval_docs = load_documents(eval_files, cache / "eval")
     else:
         split = held_out(train_docs, train, seed)
         train_docs, eval_docs = split["train"], split["test"]
-    tokenizer = choose_tokenizer(model, tokenizer, train_tokenizer, folder_config, train_docs)
+    tokenizer = choose_tokenizer(model, tokenizer, train_tokenizer, folder_config, train_docs, saved_tokenizer)
     check_tokenizer(tokenizer, model or "tokenizer")
     chunk = chunker(tokenizer, max_length, whole_word_mask)
     train_set, eval_set = (
@@ -547,6 +673,9 @@ def prepare_text(
         )
         for name, docs in (("train", train_docs), ("eval", eval_docs))
     )
+    eval_source = eval if eval_files else f"{train} (its held-out evaluation documents)"
+    check_tokens(train_set, train_files, train)
+    check_tokens(eval_set, eval_files, eval_source)
     data = {
         "train": data_record(train_files, train_set),
         "eval": data_record(eval_files, eval_set) if eval_files else f"{len(eval_docs)} held-out training documents",
@@ -557,13 +686,28 @@ def prepare_text(
     }
     eval_set = eval_set.map(
         MaskedFlattening(tokenizer, mlm_probability, whole_word_mask, EVAL_MASK_SEED).mask,
+        with_indices=True,
         remove_columns=eval_set.column_names,
         new_fingerprint="eval-masked",
         desc="Masking the eval text",
     )
     data["eval_masked_tokens"] = sum(sum(label != -100 for label in row) for row in eval_set["labels"])
+    if not data["eval_masked_tokens"]:  # the evaluation loss would be undefined, and found out after training
+        raise DataError(
+            f"{eval_source}: masking left none of its {data['eval_tokens']} tokens masked (mlm_probability "
+            f"{mlm_probability}; [CLS], [SEP] and other special tokens are never masked); give more evaluation text"
+        )
     train_set = train_set.select_columns(["input_ids", *(["offsets"] if whole_word_mask else [])])
+    train_set = train_set.add_column("row", range(len(train_set)))  # each sequence's masking seed: example_seed
     return tokenizer, train_set, eval_set, data
+
+
+def check_tokens(chunks, files: dict, where) -> None:
+    """Text the tokenizer turns into nothing (control characters only, say) fails before training, named."""
+    counts = collections.Counter(chunks["file"]) if len(chunks) else collections.Counter()
+    empty = [file for index, file in enumerate(files) if not counts[index]]
+    if empty or not counts:
+        raise DataError(f"{empty[0] if empty else where}: no tokens (the tokenizer turns the text into nothing)")
 
 
 def training_arguments(settings: dict, scratch: Path, **overrides) -> transformers.TrainingArguments:
@@ -606,18 +750,18 @@ def training_arguments(settings: dict, scratch: Path, **overrides) -> transforme
 def mlm_trainer(network, args, tokenizer, train_set, eval_set, settings: dict, **kwargs) -> transformers.Trainer:
     """A pre-training Trainer: masking each sequence on its own, then flattening; the masked-LM metrics; no progress
     bar (the caller adds its own)."""
+    collator = MaskedFlattening(tokenizer, settings["mlm_probability"], settings["whole_word_mask"], settings["seed"])
     trainer = transformers.Trainer(
         model=network,
         args=args,
         train_dataset=train_set,
         eval_dataset=eval_set,
-        data_collator=MaskedFlattening(
-            tokenizer, settings["mlm_probability"], settings["whole_word_mask"], settings["seed"]
-        ),
+        data_collator=collator,
         compute_metrics=mlm_metrics,
         preprocess_logits_for_metrics=token_scores,
         **kwargs,
     )
+    trainer.add_callback(collator)
     trainer.remove_callback(transformers.ProgressCallback)
     trainer.remove_callback(transformers.PrinterCallback)
     return trainer
@@ -630,19 +774,19 @@ def train_and_save(
     args = training_arguments(settings, scratch, **training_args)
     transformers.set_seed(settings["seed"])
     network, initialized = starting_model(model, config, tokenizer)
-    if args.should_save:
-        if checkpoint is None:  # starting over (force): an older run's checkpoints must not pass for this one's
-            shutil.rmtree(scratch, ignore_errors=True)
+    if args.should_save and checkpoint is None:  # starting over: an older run's checkpoints must not pass for ours
+        shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True, exist_ok=True)
-        (scratch / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
+        (scratch / "run.json").write_text(json.dumps({"settings": settings, "inputs": record["inputs"]}, indent=2))
+        tokenizer.save_pretrained(scratch / "tokenizer")  # --resume reuses it: a trained one would come out otherwise
     trainer = mlm_trainer(network, args, tokenizer, train_set, eval_set, settings, callbacks=[EvaluateAtTheEnd()])
     trainer.add_callback(TokensPerSecond())
     # The starting point is scored after training, on a copy, as in finetune (DDP: see finetune.train_and_save).
     baseline = copy.deepcopy(network)
     try:
         result = trainer.train(resume_from_checkpoint=checkpoint)
-    except BaseException:  # an interrupted run keeps its checkpoints for --resume; one that saved none leaves nothing
-        if args.should_save and transformers.trainer_utils.get_last_checkpoint(str(scratch)) is None:
+    except BaseException:  # an interrupted run keeps its checkpoints for --resume, if one is complete
+        if args.should_save and not any(map(is_complete, checkpoints(scratch))):
             shutil.rmtree(scratch, ignore_errors=True)
         raise
     history = list(trainer.state.log_history)
