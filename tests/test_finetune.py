@@ -12,7 +12,7 @@ import transformers
 
 import encoderstack
 from encoderstack.cli import main
-from encoderstack.finetune import DATA, TASKS, DataError, FinetuneError, finetune, read_rows
+from encoderstack.finetune import DATA, TASKS, DataError, FinetuneError, finetune, read_rows, require
 
 
 @pytest.fixture(scope="module")
@@ -284,6 +284,32 @@ def test_a_csv_from_a_spreadsheet_with_a_byte_order_mark_reads_its_first_column(
     path = tmp_path / "train.csv"
     path.write_bytes(b"\xef\xbb\xbf" + b"text,label\nfine,positive\n")
     assert read_rows(path) == [{"text": "fine", "label": "positive", "_row": 2}]
+
+
+def test_a_quoted_csv_cell_keeps_its_line_breaks_and_the_rows_after_it_keep_their_numbers(tmp_path):
+    path = write(tmp_path / "t.csv", 'text,label\n"first line\nsecond line",positive\n"crlf\r\nline",negative\nok,\n')
+    rows = read_rows(path)
+    assert [row["text"] for row in rows] == ["first line\nsecond line", "crlf\r\nline", "ok"]
+    with pytest.raises(DataError, match=r"t.csv: row 4: missing column 'label'"):
+        require(rows, path, ("text", "label"))
+
+
+def test_line_separators_and_form_feeds_stay_inside_csv_and_json_lines_cells(tmp_path):
+    texts = ["a\u2028b", "c\x0cd", "e\u2029f\x0bg\x85h\x1ci"]  # all line breaks to str.splitlines()
+    csv_file = tmp_path / "t.csv"
+    csv_file.write_bytes(("text,label\n" + "".join(f"{text},x\n" for text in texts)).encode())
+    assert [(row["text"], row["_row"]) for row in read_rows(csv_file)] == [(t, n) for n, t in enumerate(texts, 2)]
+    lines = "\n".join(json.dumps({"text": text, "label": "x"}, ensure_ascii=False) for text in texts)
+    assert "\u2028" in lines  # raw in the file; JSON escapes the control characters
+    json_file = tmp_path / "t.jsonl"
+    json_file.write_bytes(lines.encode())
+    assert [(row["text"], row["_row"]) for row in read_rows(json_file)] == [(t, n) for n, t in enumerate(texts, 1)]
+
+
+def test_a_csv_quote_left_open_is_refused_with_the_line_it_opens_on(tmp_path):
+    path = write(tmp_path / "t.csv", 'text,label\nfine,positive\n"never closed,negative\nok,positive\n')
+    with pytest.raises(DataError, match=r"t.csv: line 3: not valid CSV \(unexpected end of data\)"):
+        read_rows(path)
 
 
 @pytest.mark.parametrize(

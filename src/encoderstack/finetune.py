@@ -6,6 +6,7 @@ Data is CSV or JSON lines, checked row by row before any training starts. Runs t
 
 import copy
 import csv
+import io
 import json
 import math
 import shutil
@@ -57,28 +58,45 @@ def read_rows(path) -> list[dict]:
     """Rows of a CSV file (with a header) or a JSON-lines file, each with its 1-based row number in `_row`."""
     path = Path(path)
     text = read_text(path)
-    if path.suffix in (".jsonl", ".json"):
-        rows = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except ValueError as error:
-                    raise DataError(f"{path}: row {number}: not a JSON object ({error})") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}: row {number}: not a JSON object")
-                rows.append({**row, "_row": number})
-    else:  # the header is line 1, so the first record is row 2: what a spreadsheet shows
-        rows = [{**row, "_row": number} for number, row in enumerate(csv.DictReader(text.splitlines()), start=2)]
-        for row in rows:
-            if None in row:  # csv's key for fields beyond the header's
-                raise DataError(
-                    f"{path}: row {row['_row']}: more fields than the header has ({len(row[None])} "
-                    f"extra; is a comma inside an unquoted field?)"
-                )
+    rows = read_json_lines(path, text) if path.suffix in (".jsonl", ".json") else read_csv(path, text)
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
+
+
+def read_json_lines(path: Path, text: str) -> list[dict]:
+    rows = []
+    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines(): a string may hold U+2028, \f, ...
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except ValueError as error:
+                raise DataError(f"{path}: row {number}: not a JSON object ({error})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}: row {number}: not a JSON object")
+            rows.append({**row, "_row": number})
+    return rows
+
+
+def read_csv(path: Path, text: str) -> list[dict]:
+    """The header is row 1, so the first record is row 2: what a spreadsheet shows, whatever line breaks its quoted
+    cells hold. Strict: an unclosed quote is an error, not a cell that swallows the rest of the file."""
+    records = csv.DictReader(io.StringIO(text, newline=""), strict=True)
+    rows = []
+    while True:
+        line = records.line_num + 1
+        try:
+            row = next(records, None)
+        except csv.Error as error:
+            raise DataError(f"{path}: line {line}: not valid CSV ({error})") from None
+        if row is None:
+            return rows
+        if None in row:  # csv's key for fields beyond the header's
+            raise DataError(
+                f"{path}: row {len(rows) + 2}: more fields than the header has ({len(row[None])} "
+                f"extra; is a comma inside an unquoted field?)"
+            )
+        rows.append({**row, "_row": len(rows) + 2})
 
 
 def is_integer(value) -> bool:
