@@ -12,7 +12,16 @@ import transformers
 
 import encoderstack
 from encoderstack.cli import main
-from encoderstack.finetune import DATA, TASKS, DataError, FinetuneError, finetune, read_rows, require
+from encoderstack.finetune import (
+    DATA,
+    TASKS,
+    DataError,
+    FinetuneError,
+    best_evaluation,
+    finetune,
+    read_rows,
+    require,
+)
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +169,38 @@ def test_the_best_epoch_is_kept_when_it_is_not_the_last(tiny, tmp_path, monkeypa
     with torch.no_grad():
         logits = model(**tokenizer([row["text"] for row in rows], padding=True, return_tensors="pt")).logits
     torch.testing.assert_close(logits, torch.from_numpy(seen[0][:4]), atol=1e-5, rtol=0)
+
+
+def test_of_evaluations_tied_on_the_metric_the_one_with_the_lowest_eval_loss_is_kept():
+    history = [
+        {"loss": 0.7, "step": 5},
+        {"eval_accuracy": 1.0, "eval_loss": 0.288, "step": 10},
+        {"eval_accuracy": 0.5, "eval_loss": 0.001, "step": 20},
+        {"eval_accuracy": 1.0, "eval_loss": 0.012, "step": 30},
+        {"eval_accuracy": 1.0, "eval_loss": 0.012, "step": 40},
+    ]
+    assert best_evaluation(history, "accuracy")["step"] == 30  # the metric first, then the loss, then the earliest
+    assert best_evaluation(history[:3], "accuracy")["step"] == 10  # a lower loss does not outweigh the metric
+    assert best_evaluation(history[:1], "accuracy") is None
+
+
+def test_fine_tuning_keeps_the_epoch_with_the_lowest_eval_loss_when_the_metric_ties(tiny, tmp_path, monkeypatch):
+    spec, logged = TASKS["text-classification"], []
+    monkeypatch.setattr(spec, "metrics", lambda prediction: {"accuracy": 1.0})  # every epoch ties
+    real_log = transformers.Trainer.log
+
+    def log(trainer, logs, *args):
+        logged.append(dict(logs))
+        real_log(trainer, logs, *args)
+
+    monkeypatch.setattr(transformers.Trainer, "log", log)
+    data = write(tmp_path / "t.csv", "text,label\ngreat,positive\nfine,positive\nbad,negative\nawful,negative\n")
+    record = finetune(tiny, tmp_path / "out", train=data, eval=data, epochs=3, batch_size=1, learning_rate=1e-2)
+    epochs = [entry for entry in logged if "eval_loss" in entry][:3]  # then the evaluation after training
+    lowest = min(epochs, key=lambda entry: entry["eval_loss"])
+    assert lowest is not epochs[0]  # else a first-of-the-ties rule would pass too
+    assert record["best_checkpoint_step"] == 4 * (epochs.index(lowest) + 1)
+    assert record["after"]["loss"] == pytest.approx(lowest["eval_loss"], abs=1e-6)
 
 
 def test_an_answer_that_is_not_in_its_context_is_refused(tiny, tmp_path):
