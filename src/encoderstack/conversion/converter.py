@@ -44,8 +44,8 @@ from .sources import (
     TensorSource,
     copy_other_files,
     has_hf_weights,
-    open_hf_weights,
     read_config,
+    require_hf_weights,
 )
 
 TOLERANCE = 1e-5
@@ -143,9 +143,7 @@ def open_source(name_or_path, gelu: str = "tanh", lowercase: bool | None = None)
     if not folder.is_dir():
         raise ConversionError(f"{folder}: expected a checkpoint folder")
     config = read_config(folder)
-    tensors = open_hf_weights(folder)
-    if tensors is None:
-        raise ConversionError(f"{folder}: no weights found (looked for {', '.join(WEIGHT_FILE_NAMES)})")
+    tensors = require_hf_weights(folder)
     refuse_symlink_loops(folder)
     return Source(
         folder,
@@ -437,9 +435,7 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
         task = task_for_encoderstack_class(class_name)
     except ConversionError as error:
         raise ConversionError(f"{folder / 'config.json'}: {error}") from None
-    tensors = open_hf_weights(folder)
-    if tensors is None:
-        raise ConversionError(f"{folder}: no weights found")
+    tensors = require_hf_weights(folder)
     prefix = "" if task.name == "base" else "model."
     mapped = {}
     for key in tensors.keys():  # noqa: SIM118  (a lazy weights reader, not a dict)
