@@ -329,3 +329,21 @@ def test_a_trained_decoder_that_config_json_says_is_tied_is_refused(tmp_path):
         r"model.safetensors: tensor 'cls.predictions.decoder.weight' differs from "
         r"'bert.embeddings.word_embeddings.weight', but .*bert/config.json says tie_word_embeddings=true",
     )
+
+
+TINY = {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 37}
+
+
+@pytest.mark.parametrize("family", ["Roberta", "Electra"])
+def test_from_pretrained_refuses_a_roberta_or_electra_folder_as_convert_does(tmp_path, family):
+    """transformers would load it into EncoderStack with most weights newly initialized, and only a load report."""
+    folder = tmp_path / family.lower()
+    config = getattr(transformers, family + "Config")(**TINY)
+    getattr(transformers, family + "Model")(config).save_pretrained(folder)
+    with pytest.raises(ConversionError) as refused_by_convert:
+        encoderstack.convert(folder, tmp_path / "out")
+    assert f"model_type '{family.lower()}' is not a BERT checkpoint" in str(refused_by_convert.value)
+    for model_class in (encoderstack.EncoderStackModel, encoderstack.EncoderStackForSequenceClassification):
+        with pytest.raises(ConversionError) as refused_by_load:
+            model_class.from_pretrained(folder)
+        assert str(refused_by_load.value) == str(refused_by_convert.value)

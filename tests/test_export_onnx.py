@@ -266,3 +266,68 @@ def test_non_finite_outputs_fail_with_their_own_message_and_write_nothing(tmp_pa
     with pytest.raises(ExportError, match="non-finite last_hidden_state"):
         ES.export_onnx(model, tmp_path / "onnx")
     assert list(tmp_path.iterdir()) == []
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def test_cli_refuses_a_folder_without_weights_or_with_truncated_weights_in_one_line(tmp_path, capsys):
+    build(ES.EncoderStackModel).save_pretrained(tmp_path / "model")
+    truncate(tmp_path / "model" / "model.safetensors")
+    code, err = run_cli(["export-onnx", str(tmp_path / "model"), str(tmp_path / "out")], capsys)
+    assert code == 2 and err == [
+        f"encoderstack: error: {tmp_path / 'model' / 'model.safetensors'}: not a readable safetensors file "
+        "(Error while deserializing header: incomplete metadata, file not fully covered)"
+    ]
+    (tmp_path / "model" / "model.safetensors").unlink()
+    code, err = run_cli(["export-onnx", str(tmp_path / "model"), str(tmp_path / "out")], capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"encoderstack: error: {tmp_path / 'model'}: no weights")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_refuses_to_export_a_head_the_folder_holds_no_weights_for_in_one_line(tmp_path, capsys):
+    build(ES.EncoderStackModel).save_pretrained(tmp_path / "model")
+    argv = ["export-onnx", str(tmp_path / "model"), str(tmp_path / "out"), "--task", "question-answering"]
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and err == [
+        f"encoderstack: error: {tmp_path / 'model'}: no weights for classifier.bias, classifier.weight of "
+        "EncoderStackForQuestionAnswering (the export would hold them randomly initialized); export the folder's "
+        "own head, or fine-tune this one first"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bare_model_from_a_folder_without_a_pooler_exports_without_pooler_output(tmp_path):
+    build(ES.EncoderStackForMaskedLM, num_hidden_layers=1).save_pretrained(tmp_path / "mlm")  # BERT's MLM: no pooler
+    folder = ES.export_onnx(tmp_path / "mlm", tmp_path / "out", task="base")
+    assert json.loads((folder / "export.json").read_text())["outputs"] == ["last_hidden_state"]
+    assert [output.name for output in session(folder / "model.onnx").get_outputs()] == ["last_hidden_state"]
+
+
+@pytest.mark.parametrize("opset", ["14", "17", "26"])
+def test_cli_refuses_an_opset_the_exporter_cannot_write_in_one_line(tmp_path, capsys, opset):
+    build(ES.EncoderStackModel).save_pretrained(tmp_path / "model")
+    code, err = run_cli(["export-onnx", str(tmp_path / "model"), str(tmp_path / "out"), "--opset", opset], capsys)
+    assert code == 2 and len(err) == 1
+    assert (
+        err[0].startswith(f"encoderstack: error: opset {opset} is not one torch.onnx") and "choose 18 to 25" in err[0]
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_opset_asked_for_is_the_one_written_recorded_and_shown(tmp_path, capsys):
+    build(ES.EncoderStackModel, num_hidden_layers=1).save_pretrained(tmp_path / "model")
+    assert cli.main(["export-onnx", str(tmp_path / "model"), str(tmp_path / "out"), "--opset", "20"]) == 0
+    assert "opset 20," in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "export.json").read_text())["opset"] == 20
+    assert {entry.domain: entry.version for entry in onnx.load(tmp_path / "out" / "model.onnx").opset_import}[""] == 20
+
+
+def test_an_opset_the_exporter_falls_back_from_is_refused_not_replaced(tmp_path, monkeypatch):
+    """ONNX's converter cannot lower RMSNormalization to opset 17; the exporter then writes 18 and says so in a log."""
+    monkeypatch.setattr(importlib.import_module("encoderstack.export_onnx"), "OPSETS", range(17, 26))
+    model = build(ES.EncoderStackModel, num_hidden_layers=1, norm_type="rmsnorm")
+    with pytest.raises(ExportError, match=r"torch.onnx could not write opset 17 for this model \(it wrote 18\)"):
+        ES.export_onnx(model, tmp_path / "out", opset=17)
+    assert list(tmp_path.iterdir()) == []

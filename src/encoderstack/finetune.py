@@ -6,6 +6,7 @@ Data is CSV or JSON lines, checked row by row before any training starts. Runs t
 
 import copy
 import csv
+import io
 import json
 import math
 import shutil
@@ -19,6 +20,7 @@ import transformers
 from . import modeling_encoderstack
 from .checkpoint import TOKENIZER_FILES, has_tokenizer
 from .conversion.keymap import FAMILIES, ConversionError, task_for_architecture
+from .conversion.sources import require_hf_weights
 from .hub_card import write_card
 from .jsonfile import read_json_object
 from .output_folder import OutputFolder
@@ -57,28 +59,45 @@ def read_rows(path) -> list[dict]:
     """Rows of a CSV file (with a header) or a JSON-lines file, each with its 1-based row number in `_row`."""
     path = Path(path)
     text = read_text(path)
-    if path.suffix in (".jsonl", ".json"):
-        rows = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except ValueError as error:
-                    raise DataError(f"{path}: row {number}: not a JSON object ({error})") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}: row {number}: not a JSON object")
-                rows.append({**row, "_row": number})
-    else:  # the header is line 1, so the first record is row 2: what a spreadsheet shows
-        rows = [{**row, "_row": number} for number, row in enumerate(csv.DictReader(text.splitlines()), start=2)]
-        for row in rows:
-            if None in row:  # csv's key for fields beyond the header's
-                raise DataError(
-                    f"{path}: row {row['_row']}: more fields than the header has ({len(row[None])} "
-                    f"extra; is a comma inside an unquoted field?)"
-                )
+    rows = read_json_lines(path, text) if path.suffix in (".jsonl", ".json") else read_csv(path, text)
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
+
+
+def read_json_lines(path: Path, text: str) -> list[dict]:
+    rows = []
+    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines(): a string may hold U+2028, \f, ...
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except ValueError as error:
+                raise DataError(f"{path}: row {number}: not a JSON object ({error})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}: row {number}: not a JSON object")
+            rows.append({**row, "_row": number})
+    return rows
+
+
+def read_csv(path: Path, text: str) -> list[dict]:
+    """The header is row 1, so the first record is row 2: what a spreadsheet shows, whatever line breaks its quoted
+    cells hold. Strict: an unclosed quote is an error, not a cell that swallows the rest of the file."""
+    records = csv.DictReader(io.StringIO(text, newline=""), strict=True)
+    rows = []
+    while True:
+        line = records.line_num + 1
+        try:
+            row = next(records, None)
+        except csv.Error as error:
+            raise DataError(f"{path}: line {line}: not valid CSV ({error})") from None
+        if row is None:
+            return rows
+        if None in row:  # csv's key for fields beyond the header's
+            raise DataError(
+                f"{path}: row {len(rows) + 2}: more fields than the header has ({len(row[None])} "
+                f"extra; is a comma inside an unquoted field?)"
+            )
+        rows.append({**row, "_row": len(rows) + 2})
 
 
 def is_integer(value) -> bool:
@@ -253,6 +272,27 @@ def collator(task: Task, tokenizer, packing: bool = False):
     return transformers.DataCollatorWithPadding(tokenizer)
 
 
+def best_evaluation(log_history: list[dict], metric: str) -> dict | None:
+    """The evaluation whose checkpoint to keep: the best `metric`; of those tied, the lowest eval loss (then the
+    earliest)."""
+    evaluations = [entry for entry in log_history if f"eval_{metric}" in entry]
+    return max(evaluations, key=lambda e: (e[f"eval_{metric}"], -e["eval_loss"], -e["step"]), default=None)
+
+
+class TiesToTheLowerLoss(transformers.TrainerCallback):
+    """Trainer takes an evaluation as the new best only when its metric is strictly better, so of tied evaluations
+    it keeps the first (accuracy 1.0 at eval loss 0.288 kept over a later 1.0 at 0.012). Runs after each evaluation
+    is logged and before Trainer compares it: when this one is the best by `best_evaluation`, Trainer takes it."""
+
+    def __init__(self, metric: str):
+        self.metric = metric
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        best = best_evaluation(state.log_history, self.metric)
+        if best is not None and best["step"] == state.global_step:
+            state.best_metric = None  # no best so far: any metric beats it
+
+
 def scores(evaluation: dict) -> dict:
     timings = ("runtime", "samples_per_second", "steps_per_second", "model_preparation_time")
     return {
@@ -360,6 +400,14 @@ def training_labels(config, model, spec: Task, labels: list[str]) -> list[str]:
     return trained
 
 
+def check_weights(model) -> None:
+    """Weights that are there and read (a truncated file does not), before any data is encoded."""
+    try:
+        require_hf_weights(Path(model)).close()
+    except ConversionError as error:  # the model folder is fine-tuning's input: its error, not a conversion's
+        raise FinetuneError(str(error)) from None
+
+
 def load_tokenizer(model, config):
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(model)
@@ -421,6 +469,7 @@ def finetune(
     if spec.name != "question-answering" and len(labels) < 2:  # one label: Trainer would fit a regression
         raise DataError(f"{train}: every row has the label {labels[0]!r}; a classifier needs at least two")
     labels = training_labels(config, model, spec, labels)
+    check_weights(model)
     label2id = {label: i for i, label in enumerate(labels)}
     tokenizer = load_tokenizer(model, config)
     absolute = config.get("position_embedding_type", "absolute") == "absolute"
@@ -515,6 +564,7 @@ def train_and_save(
         eval_dataset=eval_set,
         data_collator=collator(spec, tokenizer, packing),
         compute_metrics=spec.metrics,
+        callbacks=[TiesToTheLowerLoss(spec.metric)],
     )
     # The starting point is scored after training, on a copy: under DDP (transformers 5.24) a Trainer.evaluate()
     # before train() changes what the processes then train (measured: 3e-2 off the one-process weights).

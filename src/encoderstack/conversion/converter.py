@@ -44,8 +44,8 @@ from .sources import (
     TensorSource,
     copy_other_files,
     has_hf_weights,
-    open_hf_weights,
     read_config,
+    require_hf_weights,
 )
 
 TOLERANCE = 1e-5
@@ -143,9 +143,7 @@ def open_source(name_or_path, gelu: str = "tanh", lowercase: bool | None = None)
     if not folder.is_dir():
         raise ConversionError(f"{folder}: expected a checkpoint folder")
     config = read_config(folder)
-    tensors = open_hf_weights(folder)
-    if tensors is None:
-        raise ConversionError(f"{folder}: no weights found (looked for {', '.join(WEIGHT_FILE_NAMES)})")
+    tensors = require_hf_weights(folder)
     refuse_symlink_loops(folder)
     return Source(
         folder,
@@ -185,13 +183,17 @@ def encoderstack_config(source: Source, family: str, task: Task) -> EncoderStack
     return result
 
 
-def detect_task(source: Source) -> tuple[str, Task]:
-    family_name = source.config.get("model_type")
-    if family_name not in FAMILIES:
+def bert_family(config: dict, config_path: Path) -> str:
+    family = config.get("model_type")
+    if family not in FAMILIES:
         raise ConversionError(
-            f"{source.config_path}: model_type {family_name!r} is not a BERT checkpoint "
-            f"(supported: {', '.join(FAMILIES)})"
+            f"{config_path}: model_type {family!r} is not a BERT checkpoint (supported: {', '.join(FAMILIES)})"
         )
+    return family
+
+
+def detect_task(source: Source) -> tuple[str, Task]:
+    family_name = bert_family(source.config, source.config_path)
     architectures = source.config.get("architectures") or []
     if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
         raise ConversionError(
@@ -439,9 +441,7 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
         task = task_for_encoderstack_class(class_name)
     except ConversionError as error:
         raise ConversionError(f"{folder / 'config.json'}: {error}") from None
-    tensors = open_hf_weights(folder)
-    if tensors is None:
-        raise ConversionError(f"{folder}: no weights found")
+    tensors = require_hf_weights(folder)
     prefix = "" if task.name == "base" else "model."
     mapped = {}
     for key in tensors.keys():  # noqa: SIM118  (a lazy weights reader, not a dict)
@@ -467,7 +467,9 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
 
 def load_converted(model_class, name_or_path, *args, **kwargs):
     """`EncoderStackFor*.from_pretrained` on a BERT checkpoint: convert into a temporary folder, load from there.
-    Returns None for anything that is not a BERT checkpoint, which then loads the ordinary way."""
+    Returns None for an EncoderStack folder (or a Hub id, or no path), which then loads the ordinary way; a folder of
+    another model type (RoBERTa, ELECTRA, ...) is refused as `convert` refuses it: transformers would load it as a
+    mostly random model."""
     if not isinstance(name_or_path, (str, os.PathLike)):  # None with a config and a state_dict: nothing to convert
         return None
     try:
@@ -475,8 +477,9 @@ def load_converted(model_class, name_or_path, *args, **kwargs):
         config = read_config(folder) if folder is not None and folder.is_dir() else None
     except ConversionError:
         return None
-    if config is None or config.get("model_type") not in FAMILIES:
+    if config is None or config.get("model_type", EncoderStackConfig.model_type) == EncoderStackConfig.model_type:
         return None
+    bert_family(config, folder / "config.json")
     task = task_for_encoderstack_class(model_class.__name__)
     with tempfile.TemporaryDirectory(prefix="encoderstack-") as scratch:
         convert(folder, Path(scratch) / "model", task=task.name, verify=False)

@@ -189,6 +189,15 @@ def open_hf_weights(folder: Path) -> TensorSource | None:
     return None
 
 
+def require_hf_weights(folder: Path) -> TensorSource:
+    """`open_hf_weights`, refusing a folder without weights; a file that does not read (truncated, not a checkpoint)
+    is refused by its reader, naming the file."""
+    tensors = open_hf_weights(folder)
+    if tensors is None:
+        raise ConversionError(f"{folder}: no weights found (looked for {', '.join(WEIGHT_FILE_NAMES)})")
+    return tensors
+
+
 WEIGHT_FILE_NAMES = (
     "model.safetensors",
     "model.safetensors.index.json",
