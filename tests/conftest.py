@@ -1,6 +1,7 @@
 """Shared builders for the tests: tiny configs and batches, so the whole suite runs on two CPU cores."""
 
 import os
+import signal
 
 import pytest
 import torch
@@ -134,3 +135,17 @@ def tiny_model_folder(folder, **overrides):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return tiny_model_folder(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def sigterm_after(owner, name: str, monkeypatch) -> None:
+    """Send this process SIGTERM, in its main thread, right after `owner.name` returns; first make sure that the signal
+    would not simply kill the test run (the default action, which leaves everything behind)."""
+    original = getattr(owner, name)
+
+    def hooked(*args, **kwargs):
+        result = original(*args, **kwargs)
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL, "a SIGTERM here would skip every cleanup"
+        signal.raise_signal(signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(owner, name, hooked)

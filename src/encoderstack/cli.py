@@ -330,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     onnx.add_argument("model", help="EncoderStack folder")
     onnx.add_argument("output", help="output folder (model.onnx, config.json, tokenizer, export.json)")
     onnx.add_argument("--task", choices=sorted(TASKS), help="head to load (default: the folder's architecture)")
-    onnx.add_argument("--opset", type=int, help="ONNX opset (default: torch.onnx's)")
+    onnx.add_argument("--opset", type=int, help="ONNX opset, 18 to 25 (default: torch.onnx's)")
     onnx.add_argument(
         "--quantize", choices=["int8"], help="also write model_quantized.onnx (SmoothQuant, then dynamic int8)"
     )

@@ -19,11 +19,12 @@ import transformers
 
 from . import modeling_encoderstack
 from .checkpoint import TOKENIZER_FILES, has_tokenizer
+from .conversion.converter import open_source
 from .conversion.keymap import FAMILIES, ConversionError, task_for_architecture
-from .conversion.sources import require_hf_weights
+from .conversion.sources import has_hf_weights, require_hf_weights
 from .hub_card import write_card
 from .jsonfile import read_json_object
-from .output_folder import OutputFolder
+from .output_folder import OutputFolder, terminating_signals_raise
 
 DATA = Path(__file__).parent / "data" / "sentiment"
 # Heads whose `classifier` weights another of them would load as its own when the shapes agree.
@@ -400,12 +401,17 @@ def training_labels(config, model, spec: Task, labels: list[str]) -> list[str]:
     return trained
 
 
-def check_weights(model) -> None:
-    """Weights that are there and read (a truncated file does not), before any data is encoded."""
+def check_weights(model, error: type[Exception] = FinetuneError) -> None:
+    """A model folder whose weights are missing or do not read fails here, before any data is read (transformers
+    would fail after loading it), with convert's own message as the command's error."""
+    folder = Path(model)
     try:
-        require_hf_weights(Path(model)).close()
-    except ConversionError as error:  # the model folder is fine-tuning's input: its error, not a conversion's
-        raise FinetuneError(str(error)) from None
+        if has_hf_weights(folder):
+            require_hf_weights(folder).close()
+        else:  # a BERT folder may hold a TensorFlow checkpoint instead: from_pretrained converts it
+            open_source(folder).tensors.close()
+    except ConversionError as error_in_weights:
+        raise error(str(error_in_weights)) from None
 
 
 def load_tokenizer(model, config):
@@ -510,40 +516,41 @@ def finetune(
     label_config = (
         {"num_labels": len(labels), "id2label": dict(enumerate(labels)), "label2id": label2id} if labels else {}
     )
-    try:
-        network = getattr(modeling_encoderstack, spec.model_class).from_pretrained(model, **label_config)
-        return train_and_save(
-            network,
-            tokenizer,
-            args,
-            spec,
-            train_set,
-            eval_set,
-            destination,
-            {
-                "task": task,
-                "base_model": str(model),
-                "train": str(train),
-                "eval": str(eval),
-                "train_rows": len(train_set),
-                "eval_rows": len(eval_set),
-                "labels": labels,
-                "settings": {
-                    "epochs": epochs,
-                    "batch_size": batch_size,
-                    "learning_rate": learning_rate,
-                    "gradient_accumulation_steps": gradient_accumulation_steps,
-                    "max_length": max_length,
-                    "seed": seed,
-                    "world_size": args.world_size,
-                    "packing": packing,
+    with terminating_signals_raise():  # SIGTERM, too, ends in the `finally` that removes the checkpoints
+        try:
+            network = getattr(modeling_encoderstack, spec.model_class).from_pretrained(model, **label_config)
+            return train_and_save(
+                network,
+                tokenizer,
+                args,
+                spec,
+                train_set,
+                eval_set,
+                destination,
+                {
+                    "task": task,
+                    "base_model": str(model),
+                    "train": str(train),
+                    "eval": str(eval),
+                    "train_rows": len(train_set),
+                    "eval_rows": len(eval_set),
+                    "labels": labels,
+                    "settings": {
+                        "epochs": epochs,
+                        "batch_size": batch_size,
+                        "learning_rate": learning_rate,
+                        "gradient_accumulation_steps": gradient_accumulation_steps,
+                        "max_length": max_length,
+                        "seed": seed,
+                        "world_size": args.world_size,
+                        "packing": packing,
+                    },
                 },
-            },
-            packing,
-        )
-    finally:  # the best checkpoint is in `output` by now, or the run failed: either way the rest is scratch
-        if args.should_save:
-            shutil.rmtree(checkpoints, ignore_errors=True)
+                packing,
+            )
+        finally:  # the best checkpoint is in `output` by now, or the run failed: either way the rest is scratch
+            if args.should_save:
+                shutil.rmtree(checkpoints, ignore_errors=True)
 
 
 def train_and_save(

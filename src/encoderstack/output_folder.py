@@ -65,6 +65,17 @@ def _restore(handlers: dict) -> None:
 
 
 @contextmanager
+def terminating_signals_raise():
+    """Inside, SIGTERM and SIGHUP raise `Terminated` as Ctrl-C raises KeyboardInterrupt, so that the caller's
+    `finally` (removing its scratch files) runs before the process ends."""
+    handlers = _terminating_signals_raise()
+    try:
+        yield
+    finally:
+        _restore(handlers)
+
+
+@contextmanager
 def _signals_deferred():
     """Terminating signals that arrive meanwhile wait until the end, so that a cleanup or publish is never cut. The
     calling thread blocks them; in the main thread our handler also holds one that another thread received (torch

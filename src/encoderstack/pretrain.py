@@ -25,10 +25,16 @@ import transformers
 
 from .checkpoint import TOKENIZER_FILES, has_tokenizer, sha256
 from .configuration_encoderstack import EncoderStackConfig
-from .conversion import ConversionError
-from .conversion.converter import open_source
-from .conversion.sources import has_hf_weights
-from .finetune import DataError, FinetuneError, check_settings, is_integer, load_tokenizer, model_config, plot_losses
+from .finetune import (
+    DataError,
+    FinetuneError,
+    check_settings,
+    check_weights,
+    is_integer,
+    load_tokenizer,
+    model_config,
+    plot_losses,
+)
 from .hub_card import write_card
 from .jsonfile import read_json_object
 from .modeling_encoderstack import EncoderStackForMaskedLM
@@ -294,15 +300,6 @@ def check_tokenizer_folder(tokenizer) -> None:
         raise PretrainError(f"{folder}: no tokenizer files ({' or '.join(TOKENIZER_FILES)}) in the folder")
 
 
-def check_weights(model) -> None:
-    """A model folder without weights fails here, before any data is read (transformers would fail after)."""
-    if not has_hf_weights(Path(model)):
-        try:
-            open_source(model)  # a BERT folder may hold a TensorFlow checkpoint: from_pretrained converts it
-        except ConversionError as error:
-            raise PretrainError(str(error)) from None
-
-
 def choose_tokenizer(model, tokenizer, train_tokenizer, config, documents, saved=None):
     if saved is not None:  # a resumed run's own tokenizer: training another would give other ids
         return load_tokenizer(saved, config or {})
@@ -560,7 +557,7 @@ def pretrain(
     destination = OutputFolder(output, force, inputs=[model, config, tokenizer, train, eval], siblings=["checkpoints"])
     folder_config = model_config(model) if model is not None else None
     if model is not None:
-        check_weights(model)
+        check_weights(model, PretrainError)
     if tokenizer is not None:
         check_tokenizer_folder(tokenizer)
     config = checked_config(config) if config is not None else None
