@@ -110,6 +110,21 @@ REMOTE_LOAD = textwrap.dedent(
 )
 
 
+def load_as_remote_code(tmp_path, arguments: list[str]) -> str:
+    """Run REMOTE_LOAD on (folder, auto class, expected outputs) triples in a fresh interpreter; its stdout."""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", REMOTE_LOAD, *arguments],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
 @pytest.mark.parametrize("model_class", HEADS, ids=lambda c: c.__name__)
 def test_a_saved_checkpoint_loads_with_trust_remote_code_where_the_package_cannot_be_imported(model_class, tmp_path):
     model = build(model_class, norm_placement="resi_dual")
@@ -118,17 +133,8 @@ def test_a_saved_checkpoint_loads_with_trust_remote_code_where_the_package_canno
     inputs = head_inputs(model_class, batch())
     torch.save({"inputs": inputs, "expected": outputs_of(model, model_class)}, tmp_path / "expected.pt")
     auto_name = next(name for name, ref in AUTO_MAP.items() if ref.endswith("." + model_class.__name__))
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", REMOTE_LOAD, str(folder), auto_name, str(tmp_path / "expected.pt")],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"remote load ok {model_class.__name__}" in result.stdout
+    stdout = load_as_remote_code(tmp_path, [str(folder), auto_name, str(tmp_path / "expected.pt")])
+    assert f"remote load ok {model_class.__name__}" in stdout
 
 
 def test_every_placement_and_norm_type_loads_as_remote_code_with_the_same_outputs(tmp_path):
@@ -145,17 +151,8 @@ def test_every_placement_and_norm_type_loads_as_remote_code_with_the_same_output
         expected = {"inputs": batch(), "expected": outputs_of(model, encoderstack.EncoderStackModel)}
         torch.save(expected, tmp_path / f"expected{index}.pt")
         arguments += [str(tmp_path / f"checkpoint{index}"), "AutoModel", str(tmp_path / f"expected{index}.pt")]
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", REMOTE_LOAD, *arguments],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    loaded = [line.split()[-2:] for line in result.stdout.splitlines() if line.startswith("remote load ok")]
+    stdout = load_as_remote_code(tmp_path, arguments)
+    loaded = [line.split()[-2:] for line in stdout.splitlines() if line.startswith("remote load ok")]
     assert loaded == [[fields["norm_placement"], fields.get("norm_type", "layernorm")] for fields in cases]
 
 
