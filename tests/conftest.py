@@ -18,6 +18,10 @@ from encoderstack.configuration_encoderstack import NORM_PLACEMENTS  # noqa: E40
 from encoderstack.parity import real_tokens as real  # noqa: E402, F401  (the same real tokens as the parity checks)
 
 PLACEMENTS = NORM_PLACEMENTS
+# The cross-product tests (backends x heads, padding-free, packing) run on these: the five classic rows and HybridNorm,
+# the one row that reaches inside attention. test_placements.py checks every row against its equation, and the
+# save/load, export and card tests take every row too.
+REPRESENTATIVE_PLACEMENTS = ("post", "pre", "sandwich", "deepnorm", "resi_dual", "hybrid")
 BACKENDS = ("eager", "sdpa")
 HEADS = (
     encoderstack.EncoderStackModel,

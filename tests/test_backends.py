@@ -2,7 +2,17 @@
 
 import pytest
 import torch
-from conftest import BACKENDS, HEADS, PLACEMENTS, batch, build, first_output, head_inputs, head_labels, real
+from conftest import (
+    BACKENDS,
+    HEADS,
+    REPRESENTATIVE_PLACEMENTS,
+    batch,
+    build,
+    first_output,
+    head_inputs,
+    head_labels,
+    real,
+)
 
 from encoderstack import EncoderStackModel
 
@@ -23,7 +33,7 @@ def hidden(model, inputs, backend):
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())) or "bert")
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", REPRESENTATIVE_PLACEMENTS)
 def test_sdpa_gives_the_same_real_token_outputs_as_eager(placement, variant):
     model = build(EncoderStackModel, norm_placement=placement, **variant)
     inputs = batch()
@@ -34,7 +44,7 @@ def test_sdpa_gives_the_same_real_token_outputs_as_eager(placement, variant):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())) or "bert")
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", REPRESENTATIVE_PLACEMENTS)
 def test_a_sequence_alone_equals_the_same_sequence_inside_a_padded_batch(placement, variant, backend):
     model = build(EncoderStackModel, norm_placement=placement, **variant)
     padded = batch()
@@ -45,7 +55,7 @@ def test_a_sequence_alone_equals_the_same_sequence_inside_a_padded_batch(placeme
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", REPRESENTATIVE_PLACEMENTS)
 def test_a_row_of_only_padding_gives_finite_outputs(placement, backend):
     model = build(EncoderStackModel, norm_placement=placement)
     inputs = batch(lengths=(9, 0, 4))
@@ -54,7 +64,7 @@ def test_a_row_of_only_padding_gives_finite_outputs(placement, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", REPRESENTATIVE_PLACEMENTS)
 @pytest.mark.parametrize("model_class", HEADS, ids=lambda c: c.__name__)
 def test_forward_and_backward_are_finite_for_every_head(model_class, placement, backend):
     model = build(model_class, norm_placement=placement, attn_implementation=backend).train()
@@ -72,7 +82,7 @@ def test_flex_attention_gives_the_same_real_token_outputs_as_eager():
     """FlexAttention runs forward-only on CPU (torch has no CPU backward for it), so only inference is checked."""
     inputs = batch()
     mask = inputs["attention_mask"]
-    for placement in PLACEMENTS:
+    for placement in REPRESENTATIVE_PLACEMENTS:
         model = build(EncoderStackModel, norm_placement=placement)
         eager, flex = hidden(model, inputs, "eager"), hidden(model, inputs, "flex_attention")
         torch.testing.assert_close(real(flex, mask), real(eager, mask), atol=1e-5, rtol=0)

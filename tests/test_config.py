@@ -73,9 +73,16 @@ def test_a_config_survives_a_save_and_load(tmp_path):
         ),
         (
             {"norm_placement": "middle"},
-            "Field 'norm_placement' expected one of ('post', 'pre', 'sandwich', 'deepnorm', 'resi_dual'), got middle",
+            "Field 'norm_placement' expected one of ('post', 'pre', 'sandwich', 'deepnorm', 'resi_dual', 'peri', "
+            "'mix', 'lns', 'hybrid', 'hybrid_star', 'admin', 'deepscale'), got middle",
         ),
-        ({"norm_type": "batchnorm"}, "Field 'norm_type' expected one of ('layernorm', 'rmsnorm'), got batchnorm"),
+        (
+            {"norm_type": "batchnorm"},
+            "Field 'norm_type' expected one of ('layernorm', 'rmsnorm', 'dyt', 'derf'), got batchnorm",
+        ),
+        ({"mix_ln_ratio": 1.5}, "`mix_ln_ratio` must lie in [0, 1], got 1.5"),
+        ({"mix_ln_ratio": -0.25}, "`mix_ln_ratio` must lie in [0, 1], got -0.25"),
+        ({"dyt_alpha_init": 0}, "`dyt_alpha_init` must be a positive finite number, got 0"),
         ({"hidden_act": "sparkle"}, "Unknown `hidden_act` 'sparkle'"),
         (
             {"position_embedding_type": "relative_key"},

@@ -34,7 +34,14 @@ from encoderstack.diagnostics import (
 from encoderstack.diagnostics import corpus as corpus_route
 from encoderstack.diagnostics.plots import FIGURES
 from encoderstack.diagnostics.report import single_threaded
-from encoderstack.diagnostics.synthetic import HALF_LENGTH, MASK, NUM_SPECIAL, build_masked_lm, diagnostic_fields
+from encoderstack.diagnostics.synthetic import (
+    HALF_LENGTH,
+    MASK,
+    NUM_SPECIAL,
+    PROFILING_BATCH_SIZE,
+    build_masked_lm,
+    diagnostic_fields,
+)
 from encoderstack.pretrain import pretrain, stdlib_corpus
 
 
@@ -497,3 +504,12 @@ def test_a_bad_corpus_is_refused_with_one_line_and_exit_2_leaving_nothing(name, 
     assert lines[-1].startswith("encoderstack: error: ") and message in lines[-1]
     assert sum("error" in line for line in lines) == 1
     assert sorted(path.name for path in tmp_path.iterdir()) == ["data"]
+
+
+def test_a_diagnosed_admin_model_starts_from_the_omegas_profiling_gives_on_a_task_batch():
+    model = build_masked_lm(diagnostic_config("admin", 2, hidden_size=32), seed=3)
+    residuals = [r for layer in model.model.layers for r in (layer.attention_residual, layer.mlp_residual)]
+    stored = [residual.omega[0].item() for residual in residuals]
+    batch = SyntheticMLMTask().sample(PROFILING_BATCH_SIZE, torch.Generator().manual_seed(3))
+    assert stored[1] != 1.0
+    assert stored == pytest.approx(model.profile_admin(batch["input_ids"], batch["attention_mask"]), rel=1e-6)

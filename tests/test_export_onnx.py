@@ -56,6 +56,14 @@ CASES = [  # (head, config overrides, attention backend)
         {"norm_placement": "pre", "hidden_act": "geglu", "norm_type": "rmsnorm"},
         "sdpa",
     ),
+    # two of the 2024-2026 rows (each export takes tens of seconds): QKV-norm inside attention and a per-layer row
+    # with DyT; DeepScaleLM's constant scales with Derf
+    (
+        ES.EncoderStackForMaskedLM,
+        {"norm_placement": "hybrid_star", "position_embedding_type": "rope", "norm_type": "dyt"},
+        "sdpa",
+    ),
+    (ES.EncoderStackModel, {"norm_placement": "deepscale", "norm_type": "derf"}, "eager"),
 ]
 EXPECTED_OUTPUTS = {
     ES.EncoderStackModel: ["last_hidden_state", "pooler_output"],

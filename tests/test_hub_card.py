@@ -7,13 +7,15 @@ import shutil
 import pytest
 import torch
 import transformers
-from conftest import HEADS, build
+from conftest import HEADS, PLACEMENTS, build
 from hub_server import client_pointed_at, running_hub
 from huggingface_hub import ModelCard
 
 import encoderstack
 from encoderstack import HubError, build_card, write_card
 from encoderstack.cli import main
+from encoderstack.configuration_encoderstack import PLACEMENT_EQUATIONS
+from encoderstack.hub_card import PLACEMENT_TAGS
 
 SOURCE_CARD = """---
 language:
@@ -120,6 +122,15 @@ def test_a_model_built_from_a_config_gets_the_pipeline_tag_of_its_head_and_no_pr
     assert card.data.tags == ["encoderstack", "resi-dual"]
     assert card.data.license is None and card.data.base_model is None
     assert "## Conversion" not in card.text and "generated from the model's config" in card.text
+
+
+def test_every_placement_gets_its_equation_and_its_hub_tag_on_the_card(tmp_path):
+    for placement in PLACEMENTS:
+        folder = tmp_path / placement
+        build(encoderstack.EncoderStackModel, num_hidden_layers=1, norm_placement=placement).save_pretrained(folder)
+        card = ModelCard.load(write_card(folder))
+        assert card.data.tags == ["encoderstack", PLACEMENT_TAGS[placement]]
+        assert f"| norm placement | `{placement}`: {PLACEMENT_EQUATIONS[placement]} |" in card.text.splitlines()
 
 
 def headings(text: str) -> list[str]:

@@ -5,7 +5,7 @@ the padded batch."""
 
 import pytest
 import torch
-from conftest import HEADS, PLACEMENTS, build, tiny_config
+from conftest import HEADS, REPRESENTATIVE_PLACEMENTS, build, tiny_config
 from transformers import DataCollatorWithFlattening
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -97,7 +97,7 @@ BACKENDS = ("eager", "sdpa", "flex_attention")
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("position_embedding_type", POSITION_TYPES)
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", REPRESENTATIVE_PLACEMENTS)
 def test_a_flattened_row_gives_each_sequence_its_own_hidden_states_and_pooled_output(
     placement, position_embedding_type, backend
 ):

@@ -4,7 +4,7 @@ off."""
 
 import pytest
 import torch
-from conftest import HEADS, PLACEMENTS, batch, build, first_output, head_inputs, head_labels, real
+from conftest import HEADS, REPRESENTATIVE_PLACEMENTS, batch, build, first_output, head_inputs, head_labels, real
 
 import encoderstack
 from encoderstack import EncoderStackConfig, EncoderStackModel, modeling_encoderstack
@@ -77,7 +77,7 @@ def assert_paths_agree(model, model_class, inputs, labels=None):
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", REPRESENTATIVE_PLACEMENTS)
 @pytest.mark.parametrize("model_class", HEADS, ids=lambda c: c.__name__)
 def test_padding_free_gives_the_padded_outputs_on_real_tokens_and_the_same_gradients(
     model_class, placement, backend, packings
@@ -114,7 +114,7 @@ def test_flex_attention_runs_padding_free_with_the_same_outputs():
     """FlexAttention is forward-only on CPU (torch has no CPU backward for it)."""
     inputs = batch()
     mask = inputs["attention_mask"]
-    for placement in PLACEMENTS:
+    for placement in REPRESENTATIVE_PLACEMENTS:
         model = build(EncoderStackModel, norm_placement=placement, attn_implementation="flex_attention")
         with torch.no_grad():
             padded = model(**inputs, padding_free=False)
@@ -138,7 +138,7 @@ def test_padded_positions_of_every_per_token_output_are_exactly_zero(model_class
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", REPRESENTATIVE_PLACEMENTS)
 def test_a_row_of_only_padding_is_finite_and_zero_and_leaves_the_other_rows_unchanged(placement, backend):
     model = build(
         encoderstack.EncoderStackForSequenceClassification, norm_placement=placement, attn_implementation=backend

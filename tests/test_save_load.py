@@ -37,6 +37,8 @@ def test_save_and_from_pretrained_round_trip_exactly(model_class, tmp_path):
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_every_placement_round_trips_through_auto_model(placement, tmp_path):
     model = build(encoderstack.EncoderStackModel, norm_placement=placement, position_embedding_type="rope")
+    if placement == "admin":  # profiled omegas: weights that must round-trip
+        model.profile_admin(**batch())
     model.save_pretrained(tmp_path)
     loaded = transformers.AutoModel.from_pretrained(tmp_path).eval()
     assert loaded.config.norm_placement == placement
@@ -93,18 +95,34 @@ REMOTE_LOAD = textwrap.dedent(
     import sys
     sys.modules["encoderstack"] = None  # the package is not installed here
     import torch, transformers
-    folder, auto_name, expected_path = sys.argv[1:]
-    inputs = torch.load(expected_path)
-    model = getattr(transformers, auto_name).from_pretrained(folder, trust_remote_code=True).eval()
-    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-    with torch.no_grad():
-        out = model(**inputs["inputs"])
-    out = next(getattr(out, k) for k in ("logits", "prediction_logits", "start_logits", "last_hidden_state")
-               if getattr(out, k, None) is not None)
-    assert (out - inputs["expected"]).abs().max() <= 1e-6, (out - inputs["expected"]).abs().max()
-    print("remote load ok", type(model).__name__)
+    arguments = sys.argv[1:]  # folder, auto class name, expected outputs; as many triples as given
+    for folder, auto_name, expected_path in zip(arguments[::3], arguments[1::3], arguments[2::3]):
+        inputs = torch.load(expected_path)
+        model = getattr(transformers, auto_name).from_pretrained(folder, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        with torch.no_grad():
+            out = model(**inputs["inputs"])
+        out = next(getattr(out, k) for k in ("logits", "prediction_logits", "start_logits", "last_hidden_state")
+                   if getattr(out, k, None) is not None)
+        assert (out - inputs["expected"]).abs().max() <= 1e-6, (out - inputs["expected"]).abs().max()
+        print("remote load ok", type(model).__name__, model.config.norm_placement, model.config.norm_type)
     """
 )
+
+
+def load_as_remote_code(tmp_path, arguments: list[str]) -> str:
+    """Run REMOTE_LOAD on (folder, auto class, expected outputs) triples in a fresh interpreter; its stdout."""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", REMOTE_LOAD, *arguments],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
 
 
 @pytest.mark.parametrize("model_class", HEADS, ids=lambda c: c.__name__)
@@ -115,17 +133,27 @@ def test_a_saved_checkpoint_loads_with_trust_remote_code_where_the_package_canno
     inputs = head_inputs(model_class, batch())
     torch.save({"inputs": inputs, "expected": outputs_of(model, model_class)}, tmp_path / "expected.pt")
     auto_name = next(name for name, ref in AUTO_MAP.items() if ref.endswith("." + model_class.__name__))
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", REMOTE_LOAD, str(folder), auto_name, str(tmp_path / "expected.pt")],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"remote load ok {model_class.__name__}" in result.stdout
+    stdout = load_as_remote_code(tmp_path, [str(folder), auto_name, str(tmp_path / "expected.pt")])
+    assert f"remote load ok {model_class.__name__}" in stdout
+
+
+def test_every_placement_and_norm_type_loads_as_remote_code_with_the_same_outputs(tmp_path):
+    """One subprocess for all of them: each folder saved from a model with its own placement or norm type (Admin
+    profiled, so that its omegas are weights worth carrying), loaded with `trust_remote_code` only."""
+    cases = [{"norm_placement": placement} for placement in PLACEMENTS]
+    cases += [{"norm_placement": "hybrid", "norm_type": "dyt"}, {"norm_placement": "mix", "norm_type": "derf"}]
+    arguments = []
+    for index, fields in enumerate(cases):
+        model = build(encoderstack.EncoderStackModel, mix_ln_ratio=0.5, **fields)
+        if fields["norm_placement"] == "admin":
+            model.profile_admin(**batch())
+        model.save_pretrained(tmp_path / f"checkpoint{index}")
+        expected = {"inputs": batch(), "expected": outputs_of(model, encoderstack.EncoderStackModel)}
+        torch.save(expected, tmp_path / f"expected{index}.pt")
+        arguments += [str(tmp_path / f"checkpoint{index}"), "AutoModel", str(tmp_path / f"expected{index}.pt")]
+    stdout = load_as_remote_code(tmp_path, arguments)
+    loaded = [line.split()[-2:] for line in stdout.splitlines() if line.startswith("remote load ok")]
+    assert loaded == [[fields["norm_placement"], fields.get("norm_type", "layernorm")] for fields in cases]
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

@@ -11,7 +11,20 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
-NormPlacement = Literal["post", "pre", "sandwich", "deepnorm", "resi_dual"]
+NormPlacement = Literal[
+    "post",
+    "pre",
+    "sandwich",
+    "deepnorm",
+    "resi_dual",
+    "peri",
+    "mix",
+    "lns",
+    "hybrid",
+    "hybrid_star",
+    "admin",
+    "deepscale",
+]
 NORM_PLACEMENTS = get_args(NormPlacement)
 # One line each, for the model card (the README gives the equations in full).
 PLACEMENT_EQUATIONS = {
@@ -20,6 +33,13 @@ PLACEMENT_EQUATIONS = {
     "sandwich": "`h = h + Drop(LN_out(F(LN_in(h))))`, then a final `LN`",
     "deepnorm": "`h = LN(α·h + Drop(F(h)))` with `α = (2N)^(1/4)`",
     "resi_dual": "`f = Drop(F(a)); a = LN(a + f); d = d + f`, output `a + LN_final(d)`",
+    "peri": "`h = h + Drop(LN_out(F(LN_in(h))))`, then a final `LN` (the same block as `sandwich`)",
+    "mix": "`post` in layers `l ≤ ⌊mix_ln_ratio·N⌋`, `pre` after, then a final `LN`",
+    "lns": "`h = h + Drop(F(LN(h) / √l))`, `l` the 1-based layer, then a final `LN`",
+    "hybrid": "`h = h + Drop(Attn(LN_q(q), LN_k(k), LN_v(v)))`, then `h = LN(h)`, `h = h + Drop(FFN(h))`; final `LN`",
+    "hybrid_star": "`hybrid`, with layer 1 `pre` (and its QKV norms); then a final `LN`",
+    "admin": "`h = LN(ω ⊙ h + Drop(F(h)))`, `ω` set by `profile_admin` on a batch",
+    "deepscale": "`h = λ·h + β·Drop(F(LN(h)))`, `β² = 1/N`, `λ² = 1 − β²`, then a final `LN`",
 }
 GATED_ACTIVATIONS = {"geglu": "gelu", "swiglu": "silu"}
 
@@ -31,10 +51,18 @@ class EncoderStackConfig(PreTrainedConfig):
     config maps onto this one field by field; the defaults describe bert-base-uncased with post-LN.
 
     norm_placement (`str`, defaults to `"post"`):
-        Where each sublayer's normalization sits: `"post"` (BERT), `"pre"`, `"sandwich"`, `"deepnorm"` or
-        `"resi_dual"`. The README gives the equation of each.
+        Where each sublayer's normalization sits: `"post"` (BERT), `"pre"`, `"sandwich"` (also named `"peri"`),
+        `"deepnorm"`, `"resi_dual"`, `"mix"`, `"lns"`, `"hybrid"`, `"hybrid_star"`, `"admin"` or `"deepscale"`. The
+        README gives the equation of each.
     norm_type (`str`, defaults to `"layernorm"`):
-        `"layernorm"` or `"rmsnorm"`, for every norm in the model.
+        `"layernorm"`, `"rmsnorm"`, `"dyt"` (`weight * tanh(alpha * x) + bias`) or `"derf"`
+        (`weight * erf(alpha * x + shift) + bias`), for every norm in the model; `alpha` and `shift` are learnable
+        scalars of each norm.
+    dyt_alpha_init (`float`, defaults to 0.5):
+        The initial `alpha` of every `"dyt"` or `"derf"` norm (`shift` starts at 0).
+    mix_ln_ratio (`float`, defaults to 0.25):
+        Mix-LN only: the share of the layers, from the first, that are post-LN (`floor(mix_ln_ratio * N)` of them);
+        the rest are pre-LN.
     embedding_norm (`bool`, defaults to `True`):
         Normalize the summed embeddings (BERT does; Megatron-BERT does not).
     position_embedding_type (`str`, defaults to `"absolute"`):
@@ -70,7 +98,9 @@ class EncoderStackConfig(PreTrainedConfig):
     classifier_dropout: float | int | None = None
     tie_word_embeddings: bool = True
     norm_placement: NormPlacement = "post"
-    norm_type: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_type: Literal["layernorm", "rmsnorm", "dyt", "derf"] = "layernorm"
+    dyt_alpha_init: float | int = 0.5
+    mix_ln_ratio: float | int = 0.25
     embedding_norm: bool = True
     position_embedding_type: Literal["absolute", "sinusoidal", "rope"] = "absolute"
     rope_theta: float | int = 10000.0
@@ -107,7 +137,9 @@ class EncoderStackConfig(PreTrainedConfig):
             raise ValueError(
                 f"Rotary positions need an even head size, got {self.hidden_size // self.num_attention_heads}."
             )
-        for name in ("layer_norm_eps", "initializer_range", "rope_theta", "resi_dual_scale"):
+        if not 0 <= self.mix_ln_ratio <= 1:
+            raise ValueError(f"`mix_ln_ratio` must lie in [0, 1], got {self.mix_ln_ratio}.")
+        for name in ("layer_norm_eps", "initializer_range", "rope_theta", "resi_dual_scale", "dyt_alpha_init"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"`{name}` must be a positive finite number, got {getattr(self, name)}.")
 

@@ -43,10 +43,42 @@ except ImportError:  # torch before 2.10
 logger = logging.get_logger(__name__)
 
 
-def make_norm(config: EncoderStackConfig) -> nn.Module:
+class DynamicTanh(nn.Module):
+    """DyT (Zhu et al. 2025), a normalization-free stand-in for a norm: weight * tanh(alpha * x) + bias, with alpha
+    one learnable scalar."""
+
+    def __init__(self, size: int, alpha_init: float):
+        super().__init__()
+        self.alpha_init = alpha_init
+        self.alpha = nn.Parameter(torch.full((1,), float(alpha_init)))
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size))
+
+    def forward(self, x):
+        return torch.tanh(self.alpha * x) * self.weight + self.bias
+
+
+class DynamicErf(DynamicTanh):
+    """Derf (arXiv 2512.10938): weight * erf(alpha * x + shift) + bias, alpha and shift learnable scalars."""
+
+    def __init__(self, size: int, alpha_init: float):
+        super().__init__(size, alpha_init)
+        self.shift = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return torch.erf(self.alpha * x + self.shift) * self.weight + self.bias
+
+
+def make_norm(config: EncoderStackConfig, size: int | None = None) -> nn.Module:
+    """The configured norm over the last `size` features (default: the hidden size)."""
+    size = size or config.hidden_size
+    if config.norm_type == "dyt":
+        return DynamicTanh(size, config.dyt_alpha_init)
+    if config.norm_type == "derf":
+        return DynamicErf(size, config.dyt_alpha_init)
     if config.norm_type == "rmsnorm":
-        return nn.RMSNorm(config.hidden_size, eps=config.layer_norm_eps)
-    return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        return nn.RMSNorm(size, eps=config.layer_norm_eps)
+    return nn.LayerNorm(size, eps=config.layer_norm_eps)
 
 
 def sinusoidal_positions(position_ids: torch.Tensor, dim: int) -> torch.Tensor:
@@ -300,7 +332,11 @@ def packed_attention(config: EncoderStackConfig, device: torch.device, dtype: to
     )
 
 
-class BranchProjection(nn.Linear):
+class LayerProjection(nn.Linear):
+    """A projection inside a layer, whose init the placement may set (DeepScaleLM's normal(0, 1/fan_in))."""
+
+
+class BranchProjection(LayerProjection):
     """A projection whose init the placement scales (DeepNet's beta): value, attention output and feed-forward."""
 
 
@@ -310,20 +346,26 @@ class EncoderStackAttention(nn.Module):
 
     is_causal = False
 
-    def __init__(self, config: EncoderStackConfig):
+    def __init__(self, config: EncoderStackConfig, qkv_norm: bool = False):
         super().__init__()
         self.config = config
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim**-0.5
-        self.query = nn.Linear(config.hidden_size, config.hidden_size)
-        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.query = LayerProjection(config.hidden_size, config.hidden_size)
+        self.key = LayerProjection(config.hidden_size, config.hidden_size)
         self.value = BranchProjection(config.hidden_size, config.hidden_size)
         self.output = BranchProjection(config.hidden_size, config.hidden_size)
         self.attention_dropout = config.attention_probs_dropout_prob
+        # HybridNorm's QKV-norm: one norm over each head's features, shared by the heads, as its reference code
+        norms = [make_norm(config, self.head_dim) if qkv_norm else nn.Identity() for _ in range(3)]
+        self.query_norm, self.key_norm, self.value_norm = norms
 
     def forward(self, hidden_states, attention_mask, rotary=None, **kwargs):
         heads_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query, key, value = (proj(hidden_states).view(heads_shape) for proj in (self.query, self.key, self.value))
+        query, key, value = (
+            norm(proj(hidden_states).view(heads_shape))
+            for proj, norm in ((self.query, self.query_norm), (self.key, self.key_norm), (self.value, self.value_norm))
+        )
         if rotary is not None:
             query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
@@ -361,66 +403,121 @@ class EncoderStackMLP(nn.Module):
         return self.down(self.act(self.up(hidden_states)))
 
 
-def unscaled(num_layers: int) -> float:
+def unscaled(count: int) -> float:
     return 1.0
 
 
 @dataclass(frozen=True)
 class Placement:
-    """One normalization placement, the whole of it: the norms around each sublayer F, the residual scale and the init
-    gain as functions of the depth N, and ResiDual's second stream. The README gives the equations."""
+    """One normalization placement, the whole of it: the norms around each sublayer F, the scales on its shortcut,
+    branch and input as functions of the depth N (or of the 1-based layer l), the init, ResiDual's second stream, and,
+    for placements whose sublayers differ, the row each sublayer follows. The README gives the equations."""
 
     norm_in: bool = False  # F(LN(h))
     norm_branch: bool = False  # LN(F(.)) before the residual add
     norm_out: bool = False  # LN(h + F(.))
     final_norm: bool = False  # one more norm after the last layer
     dual_stream: bool = False  # ResiDual: also accumulate the un-normalized sum of every F
-    alpha: Callable[[int], float] = unscaled  # h -> LN(alpha(N) h + F(.))
+    qkv_norm: bool = False  # HybridNorm: attention normalizes each head's query, key and value
+    omega: bool = False  # Admin: a learnable per-feature shortcut scale, h -> LN(omega * h + F(h)), see profile_admin
+    alpha: Callable[[int], float] = unscaled  # h -> LN(alpha(N) h + F(.)); DeepScaleLM's lambda
+    branch_scale: Callable[[int], float] = unscaled  # h -> h + beta(N) F(.), DeepScaleLM's beta
+    input_scale: Callable[[int], float] = unscaled  # F(scale(l) LN(h)), l the 1-based layer: LayerNorm Scaling
     init_gain: Callable[[int], float] = unscaled  # on the init std of every `BranchProjection`
+    fan_in_init: bool = False  # every projection of a layer starts from normal(0, 1/fan_in): DeepScaleLM
+    # (config, 0-based layer index, "attention" or "mlp") -> the row that sublayer follows; None: this row
+    per_sublayer: Callable[[EncoderStackConfig, int, str], "Placement"] | None = None
+
+    def at(self, config: EncoderStackConfig, layer_idx: int, sublayer: str) -> "Placement":
+        return self if self.per_sublayer is None else self.per_sublayer(config, layer_idx, sublayer)
 
 
+def mix_ln(config: EncoderStackConfig, layer_idx: int, sublayer: str) -> Placement:
+    """Mix-LN: post-LN in the first floor(mix_ln_ratio * N) layers, pre-LN after."""
+    post_layers = math.floor(config.mix_ln_ratio * config.num_hidden_layers)
+    return PLACEMENTS["post"] if layer_idx < post_layers else PLACEMENTS["pre"]
+
+
+def hybrid_norm(config: EncoderStackConfig, layer_idx: int, sublayer: str) -> Placement:
+    """HybridNorm, x' = x + Attn(QKV-norm); x = LN(x') + FFN(LN(x')): written per sublayer, the norm after the
+    attention's add, and a plain residual around the feed-forward network (its input and shortcut are that norm)."""
+    return Placement(norm_out=True, qkv_norm=True) if sublayer == "attention" else Placement()
+
+
+def hybrid_norm_star(config: EncoderStackConfig, layer_idx: int, sublayer: str) -> Placement:
+    """HybridNorm*: the first layer pre-LN around both sublayers (its attention keeps the QKV-norm)."""
+    if layer_idx == 0:
+        return Placement(norm_in=True, qkv_norm=sublayer == "attention")
+    return hybrid_norm(config, layer_idx, sublayer)
+
+
+SANDWICH = Placement(norm_in=True, norm_branch=True, final_norm=True)
 PLACEMENTS = {
     "post": Placement(norm_out=True),
     "pre": Placement(norm_in=True, final_norm=True),
-    "sandwich": Placement(norm_in=True, norm_branch=True, final_norm=True),
+    "sandwich": SANDWICH,
     "deepnorm": Placement(norm_out=True, alpha=lambda n: (2 * n) ** 0.25, init_gain=lambda n: (8 * n) ** -0.25),
     "resi_dual": Placement(norm_out=True, final_norm=True, dual_stream=True),
+    "peri": SANDWICH,  # Peri-LN is the literature's name for the sandwich block
+    "mix": Placement(final_norm=True, per_sublayer=mix_ln),
+    "lns": Placement(norm_in=True, final_norm=True, input_scale=lambda layer: layer**-0.5),
+    "hybrid": Placement(final_norm=True, per_sublayer=hybrid_norm),
+    "hybrid_star": Placement(final_norm=True, per_sublayer=hybrid_norm_star),
+    "admin": Placement(norm_out=True, omega=True),
+    "deepscale": Placement(
+        norm_in=True,
+        final_norm=True,
+        alpha=lambda n: (1 - 1 / n) ** 0.5,
+        branch_scale=lambda n: (1 / n) ** 0.5,
+        fan_in_init=True,
+    ),
 }
 
 
 class Residual(nn.Module):
-    """One sublayer wrapped in its residual connection and norms, as the placement says: the only code that applies
-    a placement."""
+    """One sublayer wrapped in its residual connection and norms, as the placement's row for this layer and sublayer
+    says: the only code that applies a placement."""
 
-    def __init__(self, config: EncoderStackConfig):
+    def __init__(self, config: EncoderStackConfig, layer_idx: int, sublayer: str):
         super().__init__()
-        placement = PLACEMENTS[config.norm_placement]
+        placement = PLACEMENTS[config.norm_placement].at(config, layer_idx, sublayer)
         self.norm_in = make_norm(config) if placement.norm_in else nn.Identity()
         self.norm_branch = make_norm(config) if placement.norm_branch else nn.Identity()
         self.norm_out = make_norm(config) if placement.norm_out else nn.Identity()
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.alpha = placement.alpha(config.num_hidden_layers)
+        self.branch_scale = placement.branch_scale(config.num_hidden_layers)
+        self.input_scale = placement.input_scale(layer_idx + 1)
+        self.omega = nn.Parameter(torch.ones(config.hidden_size)) if placement.omega else None
         self.dual_scale = config.resi_dual_scale if placement.dual_stream else None
 
     def forward(self, stream, dual, sublayer):
         """`stream`: the hidden state the sublayers read; `dual`: ResiDual's un-normalized stream, which starts at the
         first sublayer's input and adds up every F (None for the other placements)."""
-        branch = self.dropout(self.norm_branch(sublayer(self.norm_in(stream))))
+        inputs = self.norm_in(stream)
+        if self.input_scale != 1.0:
+            inputs = self.input_scale * inputs
+        branch = self.dropout(self.norm_branch(sublayer(inputs)))
+        if self.branch_scale != 1.0:
+            branch = self.branch_scale * branch
         if self.dual_scale is not None:
             dual = (self.dual_scale * stream if dual is None else dual) + self.dual_scale * branch
         residual = stream if self.alpha == 1.0 else self.alpha * stream
+        if self.omega is not None:
+            residual = residual * self.omega
         return self.norm_out(residual + branch), dual
 
 
 class EncoderStackLayer(GradientCheckpointingLayer):
     """Self-attention, then the feed-forward network, each inside its `Residual`."""
 
-    def __init__(self, config: EncoderStackConfig):
+    def __init__(self, config: EncoderStackConfig, layer_idx: int):
         super().__init__()
-        self.attention = EncoderStackAttention(config)
-        self.attention_residual = Residual(config)
+        attention = PLACEMENTS[config.norm_placement].at(config, layer_idx, "attention")
+        self.attention = EncoderStackAttention(config, qkv_norm=attention.qkv_norm)
+        self.attention_residual = Residual(config, layer_idx, "attention")
         self.mlp = EncoderStackMLP(config)
-        self.mlp_residual = Residual(config)
+        self.mlp_residual = Residual(config, layer_idx, "mlp")
 
     def forward(self, hidden_states, dual, attention_mask, rotary=None, **kwargs):
         def attend(hidden_states):
@@ -431,7 +528,8 @@ class EncoderStackLayer(GradientCheckpointingLayer):
 
 
 class EncoderStackFinal(nn.Module):
-    """What follows the last layer: nothing (post, deepnorm), LN(h) (pre, sandwich), or a + LN(d) (ResiDual)."""
+    """What follows the last layer: nothing (post, deepnorm, admin), LN(h) (the placements with a pre-LN layer), or
+    a + LN(d) (ResiDual)."""
 
     def __init__(self, config: EncoderStackConfig):
         super().__init__()
@@ -502,14 +600,64 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
         return publisher(self, repo_id, **kwargs) if publisher else super().push_to_hub(repo_id, **kwargs)
 
     def _init_weights(self, module):
-        """BERT's init (normal(0, initializer_range), zero biases, unit norms), then the placement's init gain."""
+        """BERT's init (normal(0, initializer_range), zero biases, unit norms), then the placement's init gain, or
+        DeepScaleLM's normal(0, 1/fan_in) for every projection of a layer; Admin's omega starts at 1 (see
+        `profile_admin`), DyT/Derf at weight 1, bias 0, alpha `dyt_alpha_init`, shift 0."""
         super()._init_weights(module)
-        if isinstance(module, BranchProjection):
-            gain = PLACEMENTS[self.config.norm_placement].init_gain(self.config.num_hidden_layers)
+        placement = PLACEMENTS[self.config.norm_placement]
+        if isinstance(module, LayerProjection) and placement.fan_in_init:
+            init.normal_(module.weight, mean=0.0, std=module.in_features**-0.5)
+        elif isinstance(module, BranchProjection):
+            gain = placement.init_gain(self.config.num_hidden_layers)
             if gain != 1.0:
                 init.normal_(module.weight, mean=0.0, std=self.config.initializer_range * gain)
+        elif isinstance(module, Residual) and module.omega is not None:
+            init.ones_(module.omega)
+        elif isinstance(module, DynamicTanh):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+            init.constant_(module.alpha, module.alpha_init)
+            if isinstance(module, DynamicErf):
+                init.zeros_(module.shift)
         elif isinstance(module, EncoderStackRotaryEmbedding):
             init.copy_(module.inv_freq, module.compute_inv_freq())
+
+    @torch.no_grad()
+    def profile_admin(self, input_ids, attention_mask=None, token_type_ids=None) -> list[float]:
+        """Admin (Liu et al. 2020): set every sublayer's shortcut scale omega from one forward pass on a batch, as its
+        reference's profiling does: omega_1 = 1 and omega_{i+1} = sqrt(Var[omega_i x_{i-1}] + Var[f_i(x_{i-1})]) over
+        the sublayers in order, variances over every feature of the real tokens. Call it once, before training, on a
+        typical batch; returns the omegas. Only for `norm_placement="admin"`."""
+        encoder = self.model if isinstance(self, EncoderStackHead) else self
+        if self.config.norm_placement != "admin":
+            raise ValueError(f"profile_admin is for norm_placement='admin', not {self.config.norm_placement!r}.")
+        real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        omegas, shortcut = [1.0], []
+
+        def set_omega(residual, args):
+            residual.omega.fill_(omegas[-1])
+            shortcut.append(args[0][real].mul(omegas[-1]).var(correction=0).item())
+
+        def next_omega(sublayer, args, output):
+            branch = output[0] if isinstance(output, tuple) else output
+            omegas.append(math.sqrt(shortcut[-1] + branch[real].var(correction=0).item()))
+
+        hooks = []
+        for layer in encoder.layers:
+            for residual, sublayer in ((layer.attention_residual, layer.attention), (layer.mlp_residual, layer.mlp)):
+                hooks += [residual.register_forward_pre_hook(set_omega), sublayer.register_forward_hook(next_omega)]
+        training = encoder.training
+        try:
+            encoder.eval()
+            # padded, so that every hook sees (batch, seq, hidden) and `real` picks its real tokens
+            encoder(
+                input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, padding_free=False
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
+            encoder.train(training)
+        return omegas[:-1]
 
 
 class EncoderStackModel(EncoderStackPreTrainedModel):
@@ -519,7 +667,7 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         super().__init__(config)
         self.embeddings = EncoderStackEmbeddings(config)
         self.rotary = EncoderStackRotaryEmbedding(config) if config.position_embedding_type == "rope" else None
-        self.layers = nn.ModuleList(EncoderStackLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(EncoderStackLayer(config, index) for index in range(config.num_hidden_layers))
         self.final = EncoderStackFinal(config)
         self.pooler = EncoderStackPooler(config) if add_pooling_layer else None
         self.post_init()

@@ -10,7 +10,14 @@ from pathlib import Path
 from ..configuration_encoderstack import NORM_PLACEMENTS
 
 DPI = 80
-COLORS = dict(zip(NORM_PLACEMENTS, ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange")))
+COLORS = dict(
+    zip(
+        NORM_PLACEMENTS,
+        ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:pink", "tab:gray")
+        + ("tab:olive", "tab:cyan", "black", "gold"),
+        strict=True,
+    )
+)
 Series = list[tuple[str, list[float], str]]  # (label suffix, values, line style)
 
 

@@ -86,9 +86,18 @@ def diagnostic_fields(norm_placement: str, num_layers: int, hidden_size: int) ->
     }
 
 
+PROFILING_BATCH_SIZE = 32
+
+
 def build_masked_lm(config: EncoderStackConfig, seed: int) -> EncoderStackForMaskedLM:
+    """A fresh model from `seed`; Admin's shortcut scales then set by profiling a task batch of their own (drawn from
+    a generator of their own, so the training batches stay those of every other placement)."""
     torch.manual_seed(seed)
-    return EncoderStackForMaskedLM(config)
+    model = EncoderStackForMaskedLM(config)
+    if config.norm_placement == "admin":
+        batch = SyntheticMLMTask().sample(PROFILING_BATCH_SIZE, torch.Generator().manual_seed(seed))
+        model.profile_admin(batch["input_ids"], batch["attention_mask"])
+    return model
 
 
 def final_loss(losses: list[float]) -> float:

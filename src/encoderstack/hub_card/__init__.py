@@ -37,6 +37,13 @@ PLACEMENT_TAGS = {
     "sandwich": "sandwich-ln",
     "deepnorm": "deepnorm",
     "resi_dual": "resi-dual",
+    "peri": "peri-ln",
+    "mix": "mix-ln",
+    "lns": "layernorm-scaling",
+    "hybrid": "hybridnorm",
+    "hybrid_star": "hybridnorm-star",
+    "admin": "admin",
+    "deepscale": "deepscalelm",
 }
 # Facts about the weights, not about this particular folder: they hold for the converted model as for its source.
 CARRIED_METADATA = ("license", "license_name", "license_link", "language", "datasets", "metrics")
