@@ -244,7 +244,7 @@ def test_requested_hidden_states_and_attentions_come_from_the_padded_path(packin
 
 
 @pytest.mark.parametrize("placement", ["post", "resi_dual"])
-def test_activation_checkpointing_gives_the_same_gradients_padding_free(placement):
+def test_activation_checkpointing_recomputes_every_layer_and_gives_the_same_gradients_padding_free(placement):
     inputs = batch()
     model_class = encoderstack.EncoderStackForMaskedLM
     grads = []
@@ -252,7 +252,11 @@ def test_activation_checkpointing_gives_the_same_gradients_padding_free(placemen
         model = build(model_class, norm_placement=placement).train()
         if checkpointing:
             model.activation_checkpointing_enable()
+        calls = []
+        for layer in model.model.layers:  # the layer's own hooks fire once: the recompute calls its forward
+            layer.mlp.register_forward_pre_hook(lambda module, args: calls.append(module))
         grads.append(run(model, model_class, inputs, head_labels(model_class, inputs))[1])
+        assert len(calls) == model.config.num_hidden_layers * (2 if checkpointing else 1)  # backward recomputes
     assert_same(grads[1], grads[0])
 
 
