@@ -856,12 +856,14 @@ class Encoded:
     packing: PackedSequences | None
     real: torch.Tensor | None  # (batch, seq) bool; None when every token is real
 
-    def per_token(self, head, labels=None, num_items_in_batch=None):
+    def per_token(self, head, labels=None, num_items_in_batch=None, sparse=False):
         """A token-level head's logits and, given `labels`, their cross-entropy. Padding-free, both run on the real
-        tokens only, and the logits come back with zeros at the padding."""
+        tokens only, and the logits come back with zeros at the padding; `sparse`, on the labelled tokens only."""
         hidden_states = self.outputs.last_hidden_state
         if labels is not None:
             check_shape("labels", labels, hidden_states.shape[:2], "the inputs")
+            if sparse:
+                return self.labelled_only(head, labels, num_items_in_batch)
         gathered = self.packing is not None and not self.packing.flattened
         if gathered:
             hidden_states = self.packing.pack(hidden_states)
@@ -871,6 +873,17 @@ class Encoded:
         logits = head(hidden_states)
         loss = cross_entropy(logits, labels, num_items_in_batch) if labels is not None else None
         return (self.packing.unpack(logits) if gathered else logits), loss
+
+    def labelled_only(self, head, labels, num_items_in_batch):
+        """Sparse prediction: the head, its logits (one row per labelled token) and the loss on labelled tokens."""
+        hidden_states = self.outputs.last_hidden_state
+        labels = labels.to(hidden_states.device)
+        if self.real is not None:
+            labels = labels.masked_fill(~self.real.to(labels.device), -100)
+        labels = labels.reshape(-1)
+        labelled = (labels != -100).nonzero().squeeze(-1)  # one host sync: the number of labelled tokens
+        logits = head(hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, labelled))
+        return logits, cross_entropy(logits, labels.index_select(0, labelled), num_items_in_batch)
 
     @property
     def recorded(self) -> dict:
@@ -939,7 +952,8 @@ class EncoderStackClassifierHead(EncoderStackHead):
 
 
 class EncoderStackForMaskedLM(EncoderStackHead):
-    """Masked-LM logits for every token; labels at padded positions count for nothing."""
+    """Masked-LM logits for every token (in training with labels, for the labelled ones: `config.sparse_prediction`);
+    labels at padded positions count for nothing."""
 
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embeddings.word_embeddings.weight"}
 
@@ -955,7 +969,8 @@ class EncoderStackForMaskedLM(EncoderStackHead):
         self.lm_head.decoder = new_embeddings
 
     def predict(self, encoded: Encoded, labels, num_items) -> MaskedLMOutput:
-        logits, loss = encoded.per_token(self.lm_head, labels, num_items)
+        sparse = self.training and self.config.sparse_prediction
+        logits, loss = encoded.per_token(self.lm_head, labels, num_items, sparse)
         return MaskedLMOutput(loss=loss, logits=logits, **encoded.recorded)
 
 
@@ -996,7 +1011,8 @@ class EncoderStackForPreTraining(EncoderStackHead):
     ) -> EncoderStackForPreTrainingOutput:
         encoded = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
         mlm_labels = labels if next_sentence_label is not None else None
-        prediction_logits, loss = encoded.per_token(self.lm_head, mlm_labels)
+        sparse = self.training and self.config.sparse_prediction
+        prediction_logits, loss = encoded.per_token(self.lm_head, mlm_labels, sparse=sparse)
         seq_relationship_logits = self.next_sentence(encoded.outputs.pooler_output)
         if loss is not None:
             check_shape("next_sentence_label", next_sentence_label, seq_relationship_logits.shape[:1], "the sequences")
