@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 from conftest import build
-from test_packed_sequences import flattened, padded, sequences
+from test_packed_sequences import attend_each, flattened, padded, sequences
 
 import encoderstack
 from encoderstack import EncoderStackModel, modeling_encoderstack
@@ -147,17 +147,6 @@ def check_flash_contract(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
         assert int(cu[-1]) == query.shape[0]
     assert type(max_q) is int and type(max_k) is int, "max lengths must be Python ints"
     assert max_q >= int(cu_seq_q.diff().max())
-
-
-def attend_each(query, key, value, cu_seq_q, scale):
-    bounds = cu_seq_q.tolist()
-    pieces = [
-        torch.nn.functional.scaled_dot_product_attention(
-            *(x[a:b].transpose(0, 1).float() for x in (query, key, value)), scale=scale
-        ).transpose(0, 1)
-        for a, b in zip(bounds, bounds[1:])
-    ]
-    return torch.cat(pieces)
 
 
 def varlen_forward_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None, *rest):

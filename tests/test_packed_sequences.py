@@ -256,6 +256,18 @@ def test_torch_compile_runs_flattened_rows_with_each_sequences_own_outputs():
     assert_matches_each_sequence_alone(compiled, encoderstack.EncoderStackForMaskedLM, flattened(seqs), seqs)
 
 
+def attend_each(query, key, value, cu_seq_q, scale):
+    """Packed (tokens, heads, head_dim) q/k/v: each sequence attends to itself alone, in float32."""
+    bounds = cu_seq_q.tolist()
+    pieces = [
+        torch.nn.functional.scaled_dot_product_attention(
+            *(x[a:b].transpose(0, 1).float() for x in (query, key, value)), scale=scale
+        ).transpose(0, 1)
+        for a, b in zip(bounds, bounds[1:])
+    ]
+    return torch.cat(pieces)
+
+
 def reference_varlen(calls):
     """A CPU stand-in for a varlen kernel: records its arguments and attends within each sequence."""
 
@@ -269,14 +281,7 @@ def reference_varlen(calls):
                 "shape": tuple(query.shape),
             }
         )
-        bounds = cu_seq_q.tolist()
-        out = [
-            torch.nn.functional.scaled_dot_product_attention(
-                *(x[a:b].transpose(0, 1) for x in (query, key, value)), scale=scale
-            ).transpose(0, 1)
-            for a, b in zip(bounds, bounds[1:])
-        ]
-        return torch.cat(out)
+        return attend_each(query, key, value, cu_seq_q, scale).to(query.dtype)
 
     return varlen
 
