@@ -1,8 +1,9 @@
 """EncoderStack: BERT's bidirectional encoder stack with the normalization placement as a config choice.
 
-Read top to bottom: embeddings, attention (with `PackedSequences`, the one description of packed tokens),
-feed-forward, the residual/normalization policy (the one place that knows the placements), the layer, the stack, the
-pre-trained base with its initialization, then the task heads.
+Read top to bottom: embeddings, attention (with `PackedSequences`, the one description of packed tokens, and
+`ExecutionPlan`, the one decision of how a forward runs), feed-forward, the residual/normalization policy (the one
+place that knows the placements), the layer, the stack, the pre-trained base with its initialization, then the task
+heads.
 
 Self-contained on purpose (imports torch, transformers and `.configuration_encoderstack` only): `save_pretrained`
 copies this file next to the weights so that `trust_remote_code=True` works without the package.
