@@ -226,3 +226,31 @@ def test_torchs_real_varlen_attn_runs_once_per_layer_under_bf16_autocast_forward
     torch.testing.assert_close(out.loss, expected.loss, atol=2e-2, rtol=0)
     for name, p in model.named_parameters():  # bfloat16 keeps 8 bits: 2% of the gradient's size
         assert (grads[name] - p.grad).norm() <= 0.02 * p.grad.norm() + 1e-6, name
+
+
+class HostSyncs(torch.overrides.TorchFunctionMode):
+    """Counts the calls that make a device wait for the host to read a value (on CPU they cost nothing, but each
+    one is a sync on a GPU): reading values, truth tests, and shapes that depend on values."""
+
+    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__}
+    READS |= {torch.Tensor.__index__, torch.Tensor.__float__, torch.Tensor.nonzero, torch.nonzero}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        masked_index = func is torch.Tensor.__getitem__ and torch.is_tensor(args[1]) and args[1].dtype == torch.bool
+        self.count += func in self.READS or masked_index
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_padded_masked_lm_training_step_makes_five_host_syncs():
+    """The plan's lengths, the labelled tokens of sparse prediction, and one each to check the mask's values, the ids'
+    ranges and the labels' range; none per layer, none per loss term."""
+    model = build(encoderstack.EncoderStackForMaskedLM, num_hidden_layers=4).train()
+    inputs = padded(sequences())
+    labels = torch.where(torch.rand(inputs["input_ids"].shape) < 0.3, inputs["input_ids"], -100)
+    with HostSyncs() as syncs:
+        model(**inputs, labels=labels).loss.backward()
+    assert syncs.count == 5

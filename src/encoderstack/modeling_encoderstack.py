@@ -137,7 +137,8 @@ class PackedSequences:
     @classmethod
     def from_attention_mask(cls, real: torch.Tensor, lengths: list[int]) -> "PackedSequences":
         """`real`: the boolean (batch, seq) mask of real tokens; `lengths`: its row sums."""
-        return cls(lengths, tuple(real.shape), real.device, real.flatten().nonzero().squeeze(-1))
+        index = real.flatten().nonzero_static(size=sum(lengths)).squeeze(-1)  # sized by `lengths`: no host sync
+        return cls(lengths, tuple(real.shape), real.device, index)
 
     @classmethod
     def from_starts(cls, starts: torch.Tensor) -> "PackedSequences":
@@ -785,11 +786,14 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         ]
         if self.config.position_embedding_type == "absolute":
             ranges.append(("position_ids", position_ids, limit))
-        for name, ids, size in ranges:
-            if ids is not None and ids.numel() and (ids.min() < 0 or ids.max() >= size):
-                raise ValueError(
-                    f"`{name}` must lie in [0, {size - 1}], got values from {ids.min().item()} to {ids.max().item()}."
-                )
+        ranges = [(name, ids, size) for name, ids, size in ranges if ids is not None and ids.numel()]
+        if not ranges:
+            return
+        device = ranges[0][1].device
+        bounds = torch.stack([torch.stack((ids.min(), ids.max())).to(device) for _, ids, _ in ranges]).tolist()
+        for (name, _, size), (low, high) in zip(ranges, bounds):  # one host sync for all of them
+            if low < 0 or high >= size:
+                raise ValueError(f"`{name}` must lie in [0, {size - 1}], got values from {low} to {high}.")
 
 
 @dataclass
@@ -816,8 +820,9 @@ def cross_entropy(logits, labels, num_items_in_batch=None, ignore_index=-100):
         raise TypeError(f"Class labels must be integers, got {labels.dtype}.")
     labels = labels.to(logits.device).reshape(-1)
     classes = logits.shape[-1]
-    counted = labels[labels != ignore_index]
-    if not torch.compiler.is_compiling() and counted.numel() and (counted.min() < 0 or counted.max() >= classes):
+    counts = labels != ignore_index
+    if not torch.compiler.is_compiling() and (counts & ((labels < 0) | (labels >= classes))).any():  # one host sync
+        counted = labels[counts]
         raise ValueError(
             f"Class labels must lie in [0, {classes - 1}] (or be {ignore_index}, ignored), got values "
             f"from {counted.min().item()} to {counted.max().item()}."
