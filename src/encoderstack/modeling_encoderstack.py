@@ -694,14 +694,15 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         packing = flattened_rows(position_ids, real, shape, device, kwargs)
         lengths, kind = None, "whole" if packing is None else "flattened"
         if packing is None and real is not None:
-            kind = "padded"  # compiled code never packs, and cannot branch on the mask's values
-            if not torch.compiler.is_compiling():
+            kind = "padded"  # without padding_free, or compiled (which cannot branch on values), nothing packs
+            if padding_free and not torch.compiler.is_compiling():
                 lengths = real.sum(-1).tolist()  # the one host sync of a padded batch's plan
                 kind = "padded" if any(lengths) and min(lengths) < shape[1] else "whole"
         plan = decide_plan(self.plan_facts(kind, device, padding_free, kwargs))
         if plan.packed and packing is None:
             packing = PackedSequences.from_attention_mask(real, lengths)
-        logger.debug("EncoderStack execution plan: %s through %s: %s", plan.kind, plan.attention, plan.reason)
+        if not torch.compiler.is_compiling():  # a logging call would break the compiled graph
+            logger.debug("EncoderStack execution plan: %s through %s: %s", plan.kind, plan.attention, plan.reason)
         return dataclasses.replace(plan, packing=packing)
 
     def plan_facts(self, inputs: str, device: torch.device, padding_free: bool, kwargs) -> PlanFacts:
