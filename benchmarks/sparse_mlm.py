@@ -7,7 +7,6 @@ to BertForMaskedLM (SDPA) on the same weights and batch; 15% of the real tokens 
 
 import common
 import torch
-from common import encoderstack, transformers
 from training import labels_for, training_step
 
 VARIANTS = ("EncoderStack dense head", "EncoderStack sparse head")
@@ -22,12 +21,7 @@ def main():
     tokenizer = common.tokenizer()
     rows = []
     for spec in common.parse_models(args.models):
-        with common.scratch_folder() as folder:
-            bert, ours = common.load_pair(
-                spec, transformers.BertForMaskedLM, encoderstack.EncoderStackForMaskedLM, folder
-            )
-        bert = common.place(common.with_backend(bert, "sdpa"), args.device).train()
-        ours = common.place(common.with_backend(ours, "sdpa"), args.device).train()
+        bert, ours = common.mlm_training_pair(spec, args.device)
         optimizers = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-5) for m in (bert, ours)}
 
         def step(sparse, batch):
