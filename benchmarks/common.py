@@ -159,6 +159,13 @@ def load_pair(spec, bert_class, ours_class, folder, **config):
     return bert.eval(), ours_class.from_pretrained(folder).eval()
 
 
+def mlm_training_pair(spec, device):
+    """BertForMaskedLM and its EncoderStack conversion on the same weights, both SDPA, placed, in training mode."""
+    with scratch_folder() as folder:
+        bert, ours = load_pair(spec, transformers.BertForMaskedLM, encoderstack.EncoderStackForMaskedLM, folder)
+    return tuple(place(with_backend(model, "sdpa"), device).train() for model in (bert, ours))
+
+
 def with_backend(model, backend):
     model.set_attn_implementation(backend)
     return model

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import common
 import torch
-from common import encoderstack, transformers
+from common import transformers
 
 from encoderstack.pretrain import MaskedFlattening, chunker, documents, stdlib_corpus
 
@@ -59,12 +59,7 @@ def main():
     tokenizer = common.tokenizer()
     rows = []
     for spec in common.parse_models(args.models):
-        with common.scratch_folder() as folder:
-            bert, ours = common.load_pair(
-                spec, transformers.BertForMaskedLM, encoderstack.EncoderStackForMaskedLM, folder
-            )
-        bert = common.place(common.with_backend(bert, "sdpa"), args.device).train()
-        ours = common.place(common.with_backend(ours, "sdpa"), args.device).train()
+        bert, ours = common.mlm_training_pair(spec, args.device)
         for batch_size, max_length in common.parse_sizes(args.sizes):
             sequences = corpus_sequences(tokenizer, max_length, args.corpus_bytes, args.seed)
             if len(sequences) < batch_size * args.batches:

@@ -26,40 +26,43 @@ VARIANTS = [
 ]
 
 
-def hidden(model, inputs, backend):
+def hidden(model, inputs, backend, padding_free=True):
     model.set_attn_implementation(backend)
     with torch.no_grad():
-        return model(**inputs).last_hidden_state
+        return model(**inputs, padding_free=padding_free).last_hidden_state
 
 
+@pytest.mark.parametrize("padding_free", [True, False], ids=["padding_free", "padded"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())) or "bert")
 @pytest.mark.parametrize("placement", REPRESENTATIVE_PLACEMENTS)
-def test_sdpa_gives_the_same_real_token_outputs_as_eager(placement, variant):
+def test_sdpa_gives_the_same_real_token_outputs_as_eager(placement, variant, padding_free):
     model = build(EncoderStackModel, norm_placement=placement, **variant)
     inputs = batch()
     mask = inputs["attention_mask"]
-    eager, sdpa = hidden(model, inputs, "eager"), hidden(model, inputs, "sdpa")
+    eager, sdpa = hidden(model, inputs, "eager", padding_free), hidden(model, inputs, "sdpa", padding_free)
     torch.testing.assert_close(real(sdpa, mask), real(eager, mask), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("padding_free", [True, False], ids=["padding_free", "padded"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())) or "bert")
 @pytest.mark.parametrize("placement", REPRESENTATIVE_PLACEMENTS)
-def test_a_sequence_alone_equals_the_same_sequence_inside_a_padded_batch(placement, variant, backend):
+def test_a_sequence_alone_equals_the_same_sequence_inside_a_padded_batch(placement, variant, backend, padding_free):
     model = build(EncoderStackModel, norm_placement=placement, **variant)
     padded = batch()
-    together = hidden(model, padded, backend)
+    together = hidden(model, padded, backend, padding_free)
     for row, length in enumerate(padded["attention_mask"].sum(1).tolist()):
         alone = {key: value[row : row + 1, :length] for key, value in padded.items()}
         torch.testing.assert_close(hidden(model, alone, backend)[0], together[row, :length], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("padding_free", [True, False], ids=["padding_free", "padded"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("placement", REPRESENTATIVE_PLACEMENTS)
-def test_a_row_of_only_padding_gives_finite_outputs(placement, backend):
+def test_a_row_of_only_padding_gives_finite_outputs(placement, backend, padding_free):
     model = build(EncoderStackModel, norm_placement=placement)
     inputs = batch(lengths=(9, 0, 4))
-    out = hidden(model, inputs, backend)
+    out = hidden(model, inputs, backend, padding_free)
     assert torch.isfinite(out).all()
 
 
@@ -84,5 +87,7 @@ def test_flex_attention_gives_the_same_real_token_outputs_as_eager():
     mask = inputs["attention_mask"]
     for placement in REPRESENTATIVE_PLACEMENTS:
         model = build(EncoderStackModel, norm_placement=placement)
-        eager, flex = hidden(model, inputs, "eager"), hidden(model, inputs, "flex_attention")
-        torch.testing.assert_close(real(flex, mask), real(eager, mask), atol=1e-5, rtol=0)
+        for padding_free in (True, False):
+            eager = hidden(model, inputs, "eager", padding_free)
+            flex = hidden(model, inputs, "flex_attention", padding_free)
+            torch.testing.assert_close(real(flex, mask), real(eager, mask), atol=1e-5, rtol=0)

@@ -27,6 +27,7 @@ RUNS = {
     "convert.py": [*ONE_ROUND, "--clock", "cpu"],
     "attention.py": [*ONE_ROUND, "--sizes", "2x16"],
     "onnx.py": [*ONE_ROUND, "--sizes", "2x16"],
+    "sparse_mlm.py": [*ONE_ROUND, "--sizes", "2x16"],
     # real text: the tokenizer's ids need the real vocabulary
     "pretrain.py": [
         "--models",

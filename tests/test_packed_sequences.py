@@ -5,12 +5,12 @@ the padded batch."""
 
 import pytest
 import torch
-from conftest import HEADS, REPRESENTATIVE_PLACEMENTS, build, tiny_config
+from conftest import HEADS, REPRESENTATIVE_PLACEMENTS, build
 from transformers import DataCollatorWithFlattening
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import encoderstack
-from encoderstack import EncoderStackModel, modeling_encoderstack
+from encoderstack import EncoderStackModel
 
 LENGTHS = (5, 9, 1, 7, 3)
 POSITION_TYPES = ("absolute", "sinusoidal", "rope")
@@ -256,6 +256,18 @@ def test_torch_compile_runs_flattened_rows_with_each_sequences_own_outputs():
     assert_matches_each_sequence_alone(compiled, encoderstack.EncoderStackForMaskedLM, flattened(seqs), seqs)
 
 
+def attend_each(query, key, value, cu_seq_q, scale):
+    """Packed (tokens, heads, head_dim) q/k/v: each sequence attends to itself alone, in float32."""
+    bounds = cu_seq_q.tolist()
+    pieces = [
+        torch.nn.functional.scaled_dot_product_attention(
+            *(x[a:b].transpose(0, 1).float() for x in (query, key, value)), scale=scale
+        ).transpose(0, 1)
+        for a, b in zip(bounds, bounds[1:])
+    ]
+    return torch.cat(pieces)
+
+
 def reference_varlen(calls):
     """A CPU stand-in for a varlen kernel: records its arguments and attends within each sequence."""
 
@@ -269,65 +281,9 @@ def reference_varlen(calls):
                 "shape": tuple(query.shape),
             }
         )
-        bounds = cu_seq_q.tolist()
-        out = [
-            torch.nn.functional.scaled_dot_product_attention(
-                *(x[a:b].transpose(0, 1) for x in (query, key, value)), scale=scale
-            ).transpose(0, 1)
-            for a, b in zip(bounds, bounds[1:])
-        ]
-        return torch.cat(out)
+        return attend_each(query, key, value, cu_seq_q, scale).to(query.dtype)
 
     return varlen
-
-
-@pytest.mark.parametrize("route", ["padded", "flattened"])
-def test_sdpa_on_a_device_with_varlen_attn_calls_it_once_per_layer_with_the_packing(route, monkeypatch):
-    calls = []
-    monkeypatch.setattr(modeling_encoderstack, "varlen_attn", reference_varlen(calls))
-    monkeypatch.setattr(modeling_encoderstack, "has_varlen_attn", lambda device, dtype: True)
-    model = build(encoderstack.EncoderStackForMaskedLM, attn_implementation="sdpa")
-    seqs = sequences()
-    inputs = padded(seqs) if route == "padded" else flattened(seqs)
-    with torch.no_grad():
-        logits = model(**inputs).logits
-    real = inputs["attention_mask"].bool() if route == "padded" else torch.ones(logits.shape[:2], dtype=torch.bool)
-    expected_cu = torch.tensor([0, 5, 14, 15, 22, 25], dtype=torch.int32)
-    assert len(calls) == model.config.num_hidden_layers
-    for call in calls:
-        assert torch.equal(call["cu_seq_q"], expected_cu) and torch.equal(call["cu_seq_k"], expected_cu)
-        assert call["max_q"] == call["max_k"] == 9 and call["shape"] == (25, 4, 8)
-    monkeypatch.undo()
-    with torch.no_grad():
-        expected = torch.cat([model(**{k: v[None] for k, v in s.items()}).logits[0] for s in seqs])
-    torch.testing.assert_close(logits[real], expected, atol=1e-5, rtol=0)
-
-
-def test_varlen_attn_is_not_chosen_when_attention_dropout_trains(monkeypatch):
-    """torch's varlen_attn has no dropout: training with attention dropout takes the padded path instead."""
-    calls = []
-    monkeypatch.setattr(modeling_encoderstack, "varlen_attn", reference_varlen(calls))
-    monkeypatch.setattr(modeling_encoderstack, "has_varlen_attn", lambda device, dtype: True)
-    config = tiny_config(attention_probs_dropout_prob=0.1, attn_implementation="sdpa")
-    assert modeling_encoderstack.varlen_attention(config, torch.device("cuda"), torch.bfloat16, training=True) is None
-    assert (
-        modeling_encoderstack.varlen_attention(config, torch.device("cuda"), torch.bfloat16, training=False)
-        is modeling_encoderstack.sdpa_varlen_attention_forward
-    )
-
-
-def test_without_a_varlen_kernel_off_the_cpu_the_padded_batch_runs_and_the_log_says_so(caplog):
-    model = build(EncoderStackModel)
-    from transformers.utils import logging
-
-    logging.set_verbosity_debug()
-    try:
-        with caplog.at_level("DEBUG"):
-            pays = model.packed_attention_pays(torch.device("meta"))
-    finally:
-        logging.set_verbosity_warning()
-    assert not pays
-    assert "running the padded batch" in caplog.text
 
 
 @pytest.mark.parametrize("route", ["padded", "flattened"])

@@ -78,6 +78,10 @@ class EncoderStackConfig(PreTrainedConfig):
         call on a GPU that has one), scatter once at the end (padded positions of every per-token output are then
         0). Same numbers on real tokens; `False` runs the padded batch as BERT does (flattened rows then get a
         block-diagonal mask). The `padding_free` argument of `forward` overrides it per call.
+    sparse_prediction (`bool`, defaults to `True`):
+        Masked-LM heads in training with labels run the prediction head, its logits and the loss on the labelled
+        tokens only (as ModernBERT's `sparse_prediction`): the same loss, a fraction of the vocabulary projection's
+        work. `logits` then hold one row per labelled token, in order; in eval mode they are always per token.
     """
 
     model_type = "encoderstack"
@@ -106,6 +110,7 @@ class EncoderStackConfig(PreTrainedConfig):
     rope_theta: float | int = 10000.0
     resi_dual_scale: float | int = 1.0
     padding_free: bool = True
+    sparse_prediction: bool = True
 
     def validate_architecture(self):
         """Part of `@strict` validation: every message names the field and the offending value."""

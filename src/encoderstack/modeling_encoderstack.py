@@ -1,20 +1,23 @@
 """EncoderStack: BERT's bidirectional encoder stack with the normalization placement as a config choice.
 
-Read top to bottom: embeddings, attention (with `PackedSequences`, the one description of packed tokens),
-feed-forward, the residual/normalization policy (the one place that knows the placements), the layer, the stack, the
-pre-trained base with its initialization, then the task heads.
+Read top to bottom: embeddings, attention (with `PackedSequences`, the one description of packed tokens, and
+`ExecutionPlan`, the one decision of how a forward runs), feed-forward, the residual/normalization policy (the one
+place that knows the placements), the layer, the stack, the pre-trained base with its initialization, then the task
+heads.
 
 Self-contained on purpose (imports torch, transformers and `.configuration_encoderstack` only): `save_pretrained`
 copies this file next to the weights so that `trust_remote_code=True` works without the package.
 """
 
+import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AttentionInterface, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.masking_utils import create_bidirectional_mask, packed_sequence_mask_function
@@ -34,11 +37,6 @@ from transformers.utils.generic import can_return_tuple, is_flash_attention_requ
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_encoderstack import GATED_ACTIVATIONS, EncoderStackConfig
-
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch before 2.10
-    varlen_attn = None
 
 logger = logging.get_logger(__name__)
 
@@ -157,14 +155,13 @@ class PackedSequences:
     Built once per forward from whichever the caller gives: an attention mask with padding (each row's real tokens are
     one sequence, and `index` gathers them), `position_ids` that restart inside a row (`DataCollatorWithFlattening`),
     or explicit `cu_seq_lens_q/k`. Everything position-wise then runs on the packed row, and attention on each
-    sequence alone, through the kwargs `cu_seq_lens_q/k` and `max_length_q/k` (see `packed_attention`).
+    sequence alone, through the kwargs `cu_seq_lens_q/k` and `max_length_q/k` (see `ExecutionPlan`).
     """
 
-    def __init__(self, lengths: list[int], shape: tuple[int, int], device, index=None, varlen: bool = True):
+    def __init__(self, lengths: list[int], shape: tuple[int, int], device, index=None):
         self.lengths = [length for length in lengths if length]  # a row of only padding holds no sequence
         self.shape = shape  # the input's (batch, seq)
         self.index = index  # the real tokens' flat positions in a padded input; None when the rows are the tokens
-        self.varlen = varlen  # attention reads the packed row and `cu_seq_lens`; False: a block-diagonal mask instead
         self.lengths_tensor = torch.tensor(self.lengths, dtype=torch.long, device=device)
         self.cu_seq_lens = nn.functional.pad(self.lengths_tensor.cumsum(0), (1, 0)).int()
         self.max_length = max(self.lengths, default=0)
@@ -172,14 +169,15 @@ class PackedSequences:
     @classmethod
     def from_attention_mask(cls, real: torch.Tensor, lengths: list[int]) -> "PackedSequences":
         """`real`: the boolean (batch, seq) mask of real tokens; `lengths`: its row sums."""
-        return cls(lengths, tuple(real.shape), real.device, real.flatten().nonzero().squeeze(-1))
+        index = real.flatten().nonzero_static(size=sum(lengths)).squeeze(-1)  # sized by `lengths`: no host sync
+        return cls(lengths, tuple(real.shape), real.device, index)
 
     @classmethod
-    def from_starts(cls, starts: torch.Tensor, varlen: bool) -> "PackedSequences":
+    def from_starts(cls, starts: torch.Tensor) -> "PackedSequences":
         """Flattened rows: `starts` marks the first token of every sequence (the first of each row among them)."""
         bounds = [*starts.flatten().nonzero().squeeze(-1).tolist(), starts.numel()]
         lengths = [end - start for start, end in zip(bounds, bounds[1:])]
-        return cls(lengths, tuple(starts.shape), starts.device, varlen=varlen)
+        return cls(lengths, tuple(starts.shape), starts.device)
 
     @property
     def flattened(self) -> bool:
@@ -199,7 +197,9 @@ class PackedSequences:
         return flat.unflatten(0, self.shape)
 
     def attention_kwargs(self) -> dict:
-        return dict(zip(VARLEN_KWARGS, (self.cu_seq_lens, self.cu_seq_lens, self.max_length, self.max_length)))
+        """transformers' varlen kwargs, and the lengths as Python ints (so that no layer syncs to read them)."""
+        lengths = (self.cu_seq_lens, self.cu_seq_lens, self.max_length, self.max_length)
+        return {**dict(zip(VARLEN_KWARGS, lengths)), "sequence_lengths": self.lengths}
 
     def sequence_ids(self) -> torch.Tensor:
         """(batch, seq): which sequence each token of flattened rows belongs to (for a block-diagonal mask)."""
@@ -232,27 +232,141 @@ def first_real_tokens(hidden_states: torch.Tensor, attention_mask: torch.Tensor 
 
 
 class EncoderStackKwargs(TransformersKwargs, total=False):
-    """transformers' forward kwargs, and ours: `padding_free` overrides `config.padding_free` for one call;
-    `packing` is how a task head hands the encoder the `PackedSequences` it decided on (see `packing_for`)."""
+    """transformers' forward kwargs, and ours: `padding_free` overrides `config.padding_free` for one call; `plan` is
+    how a task head hands the encoder the `ExecutionPlan` it made (see `EncoderStackModel.execution_plan`)."""
 
     padding_free: bool | None
-    packing: PackedSequences | None
+    plan: "ExecutionPlan | None"
 
 
-def flattened_rows(position_ids, real, shape, device, kwargs, varlen: bool) -> PackedSequences | None:
+def inspect_varlen_attn(kernel) -> tuple[Callable | None, bool]:
+    """torch's `varlen_attn` and whether it takes `scale` (older releases do not; their fixed scale, head_dim^-0.5, is
+    the one this model uses), checked once; (None, False) where its signature cannot be read."""
+    try:
+        return kernel, "scale" in inspect.signature(kernel).parameters
+    except (TypeError, ValueError):
+        return None, False
+
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except Exception:  # absent before torch 2.10; a build whose kernels fail to load raises other errors too
+    varlen_attn = None
+varlen_attn, VARLEN_TAKES_SCALE = inspect_varlen_attn(varlen_attn) if varlen_attn is not None else (None, False)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+INPUT_KINDS = ("whole", "padded", "flattened")  # every row one sequence / a padded batch / several sequences a row
+PLAN_KINDS = ("padded", "varlen", "per_sequence", "block_diagonal")
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """Everything the execution plan depends on, read once per forward (see `EncoderStackModel.plan_facts`)."""
+
+    inputs: str  # one of INPUT_KINDS
+    backend: str  # config._attn_implementation
+    device_type: str
+    capability: tuple[int, int] | None  # CUDA compute capability; None off CUDA
+    dtype: torch.dtype  # the compute dtype: autocast's where autocast is on, else the weights'
+    head_dim: int
+    attention_dropout: bool  # training with attention dropout > 0
+    padding_free: bool  # asked for (config or argument)
+    recording: bool  # hidden states or attention maps asked for: the hooks record the padded layout
+    compiling: bool  # packed shapes change with every batch (a recompile each): compiled code stays padded
+    varlen_kernel: bool  # torch's varlen_attn imported, with a signature this model can call
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """How one forward runs, decided once (`decide_plan`) and obeyed by every layer.
+
+    kind: "padded" (the batch as BERT runs it, padding masked), "varlen" (real tokens packed into one row, one varlen
+    kernel call per layer), "per_sequence" (packed, attention one sequence at a time: the CPU path) or
+    "block_diagonal" (flattened rows with one dense mask: only where packing is off). `attention` is the name of the
+    attention function in transformers' `AttentionInterface`; `packing` describes the packed or flattened sequences.
+    """
+
+    kind: str
+    attention: str
+    reason: str
+    facts: PlanFacts
+    packing: "PackedSequences | None" = None
+
+    @property
+    def packed(self) -> bool:
+        """Whether the layers run on the packed row of real tokens (and attention reads `cu_seq_lens`)."""
+        return self.kind in ("varlen", "per_sequence")
+
+
+def varlen_attn_missing(facts: PlanFacts) -> str | None:
+    """Why torch's `varlen_attn` (a flash kernel, no dropout) cannot run here; None when it can."""
+    checks = (
+        (facts.backend == "sdpa", f"the {facts.backend} backend"),
+        (facts.varlen_kernel, "this torch has no usable varlen_attn"),
+        (facts.capability is not None, f"no CUDA device ({facts.device_type})"),
+        (facts.capability is not None and facts.capability >= (8, 0), f"compute capability {facts.capability} < 8.0"),
+        (facts.dtype in FLASH_DTYPES, f"{facts.dtype} (flash needs float16 or bfloat16)"),
+        (
+            facts.head_dim % 8 == 0 and facts.head_dim <= 256,
+            f"head size {facts.head_dim} (flash: multiple of 8, <= 256)",
+        ),
+        (not facts.attention_dropout, "attention dropout in training (varlen_attn has no dropout)"),
+    )
+    return next((why for holds, why in checks if not holds), None)
+
+
+def decide_plan(facts: PlanFacts) -> ExecutionPlan:
+    """The one decision of how a forward runs: a pure function of `facts`, so that every cell can be tested anywhere."""
+
+    def plan(kind, reason, attention=facts.backend):
+        return ExecutionPlan(kind, attention, reason, facts)
+
+    if facts.inputs == "whole":
+        return plan("padded", "every row is one sequence: nothing to pack")
+    if is_flash_attention_requested(requested_attention_implementation=facts.backend) and (
+        facts.inputs == "flattened" or (facts.padding_free and not facts.recording)
+    ):  # flash has no block-diagonal mask: flattened rows always go through its varlen path
+        return plan("varlen", "transformers' flash path reads cu_seq_lens_q/k")
+    off = [
+        why
+        for on, why in (
+            (not facts.padding_free, "padding_free is off"),
+            (facts.recording, "hidden states or attentions are recorded"),
+            (facts.compiling, "torch.compile is tracing"),
+        )
+        if on
+    ]
+    if off:
+        if facts.inputs == "padded":
+            return plan("padded", f"{off[0]}: the padded batch")
+        return plan("block_diagonal", f"{off[0]}: flattened rows get a dense block-diagonal mask")
+    missing = varlen_attn_missing(facts)
+    if missing is None:
+        return plan("varlen", "torch's varlen_attn: one call per layer", VARLEN_ATTENTION)
+    if facts.device_type == "cpu" or facts.inputs == "flattened":
+        return plan("per_sequence", f"attention one sequence at a time (no varlen kernel: {missing})", PER_SEQUENCE)
+    return plan("padded", f"no varlen kernel ({missing}): the padded batch beats one call per sequence")
+
+
+def flattened_rows(position_ids, real, shape, device, kwargs) -> PackedSequences | None:
     """The sequences of flattened rows, from `cu_seq_lens_q/k` or from `position_ids` that restart (a new sequence
     starts wherever a position is not the previous one + 1, as in transformers' masks); None when every row is one
     sequence. Checks what it reads: a packing that does not fit the batch would silently mix sequences."""
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if cu_seq_lens is not None:
-        packing = packing_from_cu_seq_lens(cu_seq_lens, kwargs, shape, device, varlen)
+        packing = packing_from_cu_seq_lens(cu_seq_lens, kwargs, shape, device)
     elif position_ids is not None and shape[1] > 1:
         restarts = position_ids.expand(shape).diff(dim=-1) != 1
         if real is not None:  # only between two real tokens: positions at padding say nothing
             restarts &= real[:, 1:] & real[:, :-1]
         if not restarts.any():
             return None
-        packing = PackedSequences.from_starts(nn.functional.pad(restarts, (1, 0), value=True), varlen)
+        packing = PackedSequences.from_starts(nn.functional.pad(restarts, (1, 0), value=True))
     else:
         return None
     if real is not None and not real.all():
@@ -263,7 +377,7 @@ def flattened_rows(position_ids, real, shape, device, kwargs, varlen: bool) -> P
     return packing
 
 
-def packing_from_cu_seq_lens(cu_seq_lens, kwargs, shape, device, varlen: bool) -> PackedSequences:
+def packing_from_cu_seq_lens(cu_seq_lens, kwargs, shape, device) -> PackedSequences:
     cu_seq_lens_k = kwargs.get("cu_seq_lens_k")
     if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k.to(cu_seq_lens.device), cu_seq_lens):
         raise ValueError(
@@ -283,53 +397,34 @@ def packing_from_cu_seq_lens(cu_seq_lens, kwargs, shape, device, varlen: bool) -
             raise ValueError(
                 f"`{name}` is {int(given)}, but `cu_seq_lens_q` holds a sequence of {max(lengths)} tokens."
             )
-    return PackedSequences(lengths, shape, device, varlen=varlen)
+    return PackedSequences(lengths, shape, device)
 
 
-def one_sequence_at_a_time(attention):
-    """`attention` run on each packed sequence alone, without a mask: the CPU path, where it measured fastest (1.4-1.7x
-    over one masked call on a re-padded view) and no varlen kernel exists."""
+def per_sequence_attention(module, query, key, value, attention_mask, sequence_lengths=None, **kwargs):
+    """The configured backend run on each packed sequence alone, without a mask: the CPU path, where it measured
+    fastest (1.4-1.7x over one masked call on a re-padded view), and flattened rows where no varlen kernel runs."""
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_attention_forward)
+    if sequence_lengths is None:  # called from outside this model: one host sync
+        sequence_lengths = kwargs["cu_seq_lens_q"].diff().tolist()
+    for name in VARLEN_KWARGS:
+        kwargs.pop(name, None)
+    pieces = zip(*(x.split(sequence_lengths, dim=2) for x in (query, key, value)))
+    contexts = [attention(module, q, k, v, None, **kwargs)[0] for q, k, v in pieces if q.shape[2]]
+    return torch.cat(contexts, dim=1), None
 
-    def attend(module, query, key, value, attention_mask, cu_seq_lens_q, max_length_q, **kwargs):
-        lengths = cu_seq_lens_q.diff().tolist()
-        pieces = zip(*(x.split(lengths, dim=2) for x in (query, key, value)))
-        contexts = [attention(module, q, k, v, None, **kwargs)[0] for q, k, v in pieces if q.shape[2]]
-        return torch.cat(contexts, dim=1), None
 
-    return attend
-
-
-def sdpa_varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """torch's `varlen_attn` (flash, CUDA, half precision): every packed sequence in one call. It has no dropout
-    argument, so `varlen_attention` does not choose it when attention dropout is on."""
+    argument, so the plan does not choose it when attention dropout trains."""
     query, key, value = (x.transpose(1, 2).squeeze(0) for x in (query, key, value))  # (tokens, heads, head_dim)
-    context = varlen_attn(query, key, value, *(kwargs[name] for name in VARLEN_KWARGS), scale=scaling)
+    scale = {"scale": scaling} if VARLEN_TAKES_SCALE else {}
+    context = varlen_attn(query, key, value, *(kwargs[name] for name in VARLEN_KWARGS), **scale)
     return context.unsqueeze(0), None
 
 
-def has_varlen_attn(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch's `varlen_attn` runs here: its flash kernel needs CUDA and half precision."""
-    return varlen_attn is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-
-
-def varlen_attention(config: EncoderStackConfig, device: torch.device, dtype: torch.dtype, training: bool):
-    """The kernel that runs all packed sequences in one call on this backend, device and dtype, or None."""
-    if is_flash_attention_requested(config):  # transformers' flash path reads cu_seq_lens_q/k itself
-        return ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
-    dropout = training and config.attention_probs_dropout_prob > 0
-    if config._attn_implementation == "sdpa" and has_varlen_attn(device, dtype) and not dropout:
-        return sdpa_varlen_attention_forward
-    return None
-
-
-def packed_attention(config: EncoderStackConfig, device: torch.device, dtype: torch.dtype, training: bool):
-    """Attention on packed sequences: one varlen call where a kernel exists, else one call per sequence."""
-    kernel = varlen_attention(config, device, dtype, training)
-    if kernel is not None:
-        return kernel
-    return one_sequence_at_a_time(
-        ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
-    )
+VARLEN_ATTENTION, PER_SEQUENCE = "encoderstack_varlen", "encoderstack_per_sequence"
+AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
+AttentionInterface.register(PER_SEQUENCE, per_sequence_attention)
 
 
 class LayerProjection(nn.Linear):
@@ -341,8 +436,8 @@ class BranchProjection(LayerProjection):
 
 
 class EncoderStackAttention(nn.Module):
-    """Bidirectional multi-head self-attention, dispatched to the configured attention backend; packed sequences
-    (the `cu_seq_lens_q/k` kwargs) to `packed_attention`."""
+    """Bidirectional multi-head self-attention, dispatched through transformers' `AttentionInterface` to the function
+    the forward's `ExecutionPlan` names (the configured backend where no plan is given)."""
 
     is_causal = False
 
@@ -360,7 +455,7 @@ class EncoderStackAttention(nn.Module):
         norms = [make_norm(config, self.head_dim) if qkv_norm else nn.Identity() for _ in range(3)]
         self.query_norm, self.key_norm, self.value_norm = norms
 
-    def forward(self, hidden_states, attention_mask, rotary=None, **kwargs):
+    def forward(self, hidden_states, attention_mask, rotary=None, plan=None, **kwargs):
         heads_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query, key, value = (
             norm(proj(hidden_states).view(heads_shape))
@@ -369,10 +464,8 @@ class EncoderStackAttention(nn.Module):
         if rotary is not None:
             query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
-        if kwargs.get("cu_seq_lens_q") is not None:
-            attention = packed_attention(self.config, query.device, query.dtype, self.training)
-        else:
-            attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        name = plan.attention if plan is not None else self.config._attn_implementation
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)
         context, weights = attention(
             self,
             query,
@@ -690,37 +783,40 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         **kwargs: Unpack[EncoderStackKwargs],
     ) -> BaseModelOutputWithPooling:
         """`padding_free` overrides `config.padding_free` for this call, and flattened rows (`position_ids` that
-        restart, or `cu_seq_lens_q/k`) never attend across sequences (see `packing_for`). With flattened rows,
+        restart, or `cu_seq_lens_q/k`) never attend across sequences (see `execution_plan`). With flattened rows,
         `pooler_output` has one row per sequence."""
         inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
-        # A task head passes the packing it decided on: it runs its token-level work on the same tokens.
-        packing = kwargs.pop("packing") if "packing" in kwargs else self.packing_for(*inputs, padding_free, kwargs)
-        for name in VARLEN_KWARGS:  # the packing describes the sequences from here on
+        # A task head passes the plan it made: it runs its token-level work on the same tokens.
+        plan = kwargs.pop("plan", None) or self.execution_plan(*inputs, padding_free=padding_free, **kwargs)
+        packing = plan.packing
+        for name in VARLEN_KWARGS:  # the plan describes the sequences from here on
             kwargs.pop(name, None)
         batch_size, seq_length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         device = input_ids.device if input_ids is not None else inputs_embeds.device
-        flattened, varlen = (packing is not None and packing.flattened), (packing is not None and packing.varlen)
+        flattened = packing is not None and packing.flattened
         if position_ids is None:
             position_ids = packing.position_ids() if flattened else torch.arange(seq_length, device=device)
         position_ids = position_ids.expand(batch_size, seq_length)
-        if varlen:  # gather the real tokens into one row once, before the embeddings
+        if plan.packed:  # gather the real tokens into one row once, before the embeddings
             input_ids, token_type_ids, position_ids, inputs_embeds = (
                 None if x is None else packing.pack(x) for x in (input_ids, token_type_ids, position_ids, inputs_embeds)
             )
 
         hidden_states = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
-        if varlen:
+        if plan.packed:
             mask = None
             kwargs.update(packing.attention_kwargs())
         else:
-            sequences = packed_sequence_mask_function(packing.sequence_ids()) if packing is not None else None
+            blocks = plan.kind == "block_diagonal"
+            sequences = packed_sequence_mask_function(packing.sequence_ids()) if blocks else None
             mask = create_bidirectional_mask(self.config, hidden_states, attention_mask, and_mask_function=sequences)
-        rotary = self.rotary(position_ids, hidden_states.dtype) if self.rotary is not None else None
+        # in the compute dtype: under autocast, float32 tables would promote bfloat16 queries and keys back to float32
+        rotary = self.rotary(position_ids, plan.facts.dtype) if self.rotary is not None else None
         dual = None
         for layer in self.layers:
-            hidden_states, dual = layer(hidden_states, dual, mask, rotary, **kwargs)
+            hidden_states, dual = layer(hidden_states, dual, mask, rotary, plan=plan, **kwargs)
         hidden_states = self.final(hidden_states, dual)
-        if varlen:  # scatter once, at the end
+        if plan.packed:  # scatter once, at the end
             hidden_states = packing.unpack(hidden_states)
         pooled = None
         if self.pooler is not None:
@@ -732,53 +828,67 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
             pooled = self.pooler(first_tokens)
         return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooled)
 
-    def packing_for(
-        self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, padding_free, kwargs
-    ) -> PackedSequences | None:
-        """Checks the inputs, then decides how this forward's tokens form sequences, when that is not simply "one per
-        row, padding masked": None runs the batch as BERT does.
+    def execution_plan(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        padding_free=None,
+        **kwargs,
+    ) -> ExecutionPlan:
+        """Checks the inputs, then decides how a forward on them runs (`decide_plan`), with the packing it runs on:
+        what `forward` does first, and the way to ask from Python which plan given inputs get. Logged at debug level.
 
         Flattened rows (`position_ids` that restart inside a row, or `cu_seq_lens_q/k`: what
-        `DataCollatorWithFlattening` gives) always get a packing, so that no sequence attends to its neighbours: one
-        sequence at a time where padding-free runs, else a block-diagonal mask. A padded batch runs padding-free
-        when `padding_free` (default `config.padding_free`) is on, the mask has both padding and real tokens, the
-        device has a packed attention that pays, and no hidden states or attention maps are recorded (the hooks record
-        the padded layout, so those come out as in BERT).
+        `DataCollatorWithFlattening` gives) always get a packing, so that no sequence attends to its neighbours.
         """
-        self._check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        self._check_inputs(*inputs)
         shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:2])
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         if padding_free is None:
             padding_free = self.config.padding_free
         if not isinstance(padding_free, bool):
             raise ValueError(f"`padding_free` must be True, False or None, got {padding_free!r}.")
-        recorded = any(
-            kwargs.get(f"output_{name}", getattr(self.config, f"output_{name}", False))
+        real = attention_mask.bool() if attention_mask is not None and attention_mask.dim() == 2 else None
+        packing = flattened_rows(position_ids, real, shape, device, kwargs)
+        lengths, kind = None, "whole" if packing is None else "flattened"
+        if packing is None and real is not None:
+            kind = "padded"  # without padding_free, or compiled (which cannot branch on values), nothing packs
+            if padding_free and not torch.compiler.is_compiling():
+                lengths = real.sum(-1).tolist()  # the one host sync of a padded batch's plan
+                kind = "padded" if any(lengths) and min(lengths) < shape[1] else "whole"
+        plan = decide_plan(self.plan_facts(kind, device, padding_free, kwargs))
+        if plan.packed and packing is None:
+            packing = PackedSequences.from_attention_mask(real, lengths)
+        if not torch.compiler.is_compiling():  # a logging call would break the compiled graph
+            logger.debug("EncoderStack execution plan: %s through %s: %s", plan.kind, plan.attention, plan.reason)
+        return dataclasses.replace(plan, packing=packing)
+
+    def plan_facts(self, inputs: str, device: torch.device, padding_free: bool, kwargs) -> PlanFacts:
+        """What the plan depends on, read here and nowhere else: the compute dtype is autocast's where autocast is on
+        (`Trainer(bf16=True)` keeps float32 weights), else the weights'."""
+        config = self.config
+        autocast = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
+        recording = any(
+            kwargs.get(f"output_{name}", getattr(config, f"output_{name}", False))
             for name in ("hidden_states", "attentions")
         )
-        # Packed shapes change with every batch (a recompile each), so torch.compile stays on the padded path.
-        runs_packed = (
-            padding_free and not recorded and not torch.compiler.is_compiling() and self.packed_attention_pays(device)
+        return PlanFacts(
+            inputs=inputs,
+            backend=config._attn_implementation,
+            device_type=device.type,
+            capability=cuda_capability(device),
+            dtype=torch.get_autocast_dtype(device.type) if autocast else self.dtype,
+            head_dim=config.hidden_size // config.num_attention_heads,
+            attention_dropout=self.training and config.attention_probs_dropout_prob > 0,
+            padding_free=padding_free,
+            recording=bool(recording),
+            compiling=torch.compiler.is_compiling(),
+            varlen_kernel=varlen_attn is not None,
         )
-        real = attention_mask.bool() if attention_mask is not None and attention_mask.dim() == 2 else None
-        varlen = runs_packed or is_flash_attention_requested(self.config)  # flash has no block-diagonal mask
-        packing = flattened_rows(position_ids, real, shape, device, kwargs, varlen)
-        if packing is not None or not runs_packed or real is None:
-            return packing
-        lengths = real.sum(-1).tolist()  # the one host sync of the decision
-        if not any(lengths) or min(lengths) == shape[1]:  # nothing to gain
-            return None
-        return PackedSequences.from_attention_mask(real, lengths)
-
-    def packed_attention_pays(self, device: torch.device) -> bool:
-        """On CPU, attention one sequence at a time measured fastest; elsewhere packing pays only with a one-call
-        varlen kernel, and the padded batch is faster without one."""
-        if device.type == "cpu" or varlen_attention(self.config, device, self.dtype, self.training) is not None:
-            return True
-        logger.debug(
-            f"No varlen {self.config._attn_implementation} on {device} in {self.dtype}: running the padded batch."
-        )
-        return False
 
     def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds):
         """Turn the mistakes that would otherwise surface as an index error deep in a kernel into a clear message."""
@@ -839,11 +949,14 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         ]
         if self.config.position_embedding_type == "absolute":
             ranges.append(("position_ids", position_ids, limit))
-        for name, ids, size in ranges:
-            if ids is not None and ids.numel() and (ids.min() < 0 or ids.max() >= size):
-                raise ValueError(
-                    f"`{name}` must lie in [0, {size - 1}], got values from {ids.min().item()} to {ids.max().item()}."
-                )
+        ranges = [(name, ids, size) for name, ids, size in ranges if ids is not None and ids.numel()]
+        if not ranges:
+            return
+        device = ranges[0][1].device
+        bounds = torch.stack([torch.stack((ids.min(), ids.max())).to(device) for _, ids, _ in ranges]).tolist()
+        for (name, _, size), (low, high) in zip(ranges, bounds):  # one host sync for all of them
+            if low < 0 or high >= size:
+                raise ValueError(f"`{name}` must lie in [0, {size - 1}], got values from {low} to {high}.")
 
 
 @dataclass
@@ -870,8 +983,9 @@ def cross_entropy(logits, labels, num_items_in_batch=None, ignore_index=-100):
         raise TypeError(f"Class labels must be integers, got {labels.dtype}.")
     labels = labels.to(logits.device).reshape(-1)
     classes = logits.shape[-1]
-    counted = labels[labels != ignore_index]
-    if not torch.compiler.is_compiling() and counted.numel() and (counted.min() < 0 or counted.max() >= classes):
+    counts = labels != ignore_index
+    if not torch.compiler.is_compiling() and (counts & ((labels < 0) | (labels >= classes))).any():  # one host sync
+        counted = labels[counts]
         raise ValueError(
             f"Class labels must lie in [0, {classes - 1}] (or be {ignore_index}, ignored), got values "
             f"from {counted.min().item()} to {counted.max().item()}."
@@ -911,12 +1025,14 @@ class Encoded:
     packing: PackedSequences | None
     real: torch.Tensor | None  # (batch, seq) bool; None when every token is real
 
-    def per_token(self, head, labels=None, num_items_in_batch=None):
+    def per_token(self, head, labels=None, num_items_in_batch=None, sparse=False):
         """A token-level head's logits and, given `labels`, their cross-entropy. Padding-free, both run on the real
-        tokens only, and the logits come back with zeros at the padding."""
+        tokens only, and the logits come back with zeros at the padding; `sparse`, on the labelled tokens only."""
         hidden_states = self.outputs.last_hidden_state
         if labels is not None:
             check_shape("labels", labels, hidden_states.shape[:2], "the inputs")
+            if sparse:
+                return self.labelled_only(head, labels, num_items_in_batch)
         gathered = self.packing is not None and not self.packing.flattened
         if gathered:
             hidden_states = self.packing.pack(hidden_states)
@@ -926,6 +1042,17 @@ class Encoded:
         logits = head(hidden_states)
         loss = cross_entropy(logits, labels, num_items_in_batch) if labels is not None else None
         return (self.packing.unpack(logits) if gathered else logits), loss
+
+    def labelled_only(self, head, labels, num_items_in_batch):
+        """Sparse prediction: the head, its logits (one row per labelled token) and the loss on labelled tokens."""
+        hidden_states = self.outputs.last_hidden_state
+        labels = labels.to(hidden_states.device)
+        if self.real is not None:
+            labels = labels.masked_fill(~self.real.to(labels.device), -100)
+        labels = labels.reshape(-1)
+        labelled = (labels != -100).nonzero().squeeze(-1)  # one host sync: the number of labelled tokens
+        logits = head(hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, labelled))
+        return logits, cross_entropy(logits, labels.index_select(0, labelled), num_items_in_batch)
 
     @property
     def recorded(self) -> dict:
@@ -954,13 +1081,13 @@ class EncoderStackHead(EncoderStackPreTrainedModel):
     def encode(
         self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, padding_free=None, **kwargs
     ) -> Encoded:
-        """The encoder's outputs, and the packing it ran on for the token-level heads (decided once, here)."""
+        """The encoder's outputs, and the packing it ran on for the token-level heads (planned once, here)."""
         kwargs.pop("num_items_in_batch", None)
         inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
-        packing = self.model.packing_for(*inputs, padding_free, kwargs)
-        outputs = self.model(*inputs, packing=packing, return_dict=True, **kwargs)
+        plan = self.model.execution_plan(*inputs, padding_free=padding_free, **kwargs)
+        outputs = self.model(*inputs, plan=plan, return_dict=True, **kwargs)
         real = attention_mask.bool() if attention_mask is not None and attention_mask.dim() == 2 else None
-        return Encoded(outputs, packing, real)
+        return Encoded(outputs, plan.packing, real)
 
     @can_return_tuple
     def forward(
@@ -994,7 +1121,8 @@ class EncoderStackClassifierHead(EncoderStackHead):
 
 
 class EncoderStackForMaskedLM(EncoderStackHead):
-    """Masked-LM logits for every token; labels at padded positions count for nothing."""
+    """Masked-LM logits for every token (in training with labels, for the labelled ones: `config.sparse_prediction`);
+    labels at padded positions count for nothing."""
 
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embeddings.word_embeddings.weight"}
 
@@ -1010,7 +1138,8 @@ class EncoderStackForMaskedLM(EncoderStackHead):
         self.lm_head.decoder = new_embeddings
 
     def predict(self, encoded: Encoded, labels, num_items) -> MaskedLMOutput:
-        logits, loss = encoded.per_token(self.lm_head, labels, num_items)
+        sparse = self.training and self.config.sparse_prediction
+        logits, loss = encoded.per_token(self.lm_head, labels, num_items, sparse)
         return MaskedLMOutput(loss=loss, logits=logits, **encoded.recorded)
 
 
@@ -1051,7 +1180,8 @@ class EncoderStackForPreTraining(EncoderStackHead):
     ) -> EncoderStackForPreTrainingOutput:
         encoded = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
         mlm_labels = labels if next_sentence_label is not None else None
-        prediction_logits, loss = encoded.per_token(self.lm_head, mlm_labels)
+        sparse = self.training and self.config.sparse_prediction
+        prediction_logits, loss = encoded.per_token(self.lm_head, mlm_labels, sparse=sparse)
         seq_relationship_logits = self.next_sentence(encoded.outputs.pooler_output)
         if loss is not None:
             check_shape("next_sentence_label", next_sentence_label, seq_relationship_logits.shape[:1], "the sequences")

@@ -1,0 +1,256 @@
+"""One execution plan per forward: the table of what runs where (a pure function of the facts, so CUDA cells are
+asserted on CPU), the plan that `forward` obeys, and torch's real `varlen_attn` run on CPU through kernels
+registered for its ops that check what the CUDA kernels check."""
+
+import logging
+
+import pytest
+import torch
+from conftest import build
+from test_packed_sequences import attend_each, flattened, padded, sequences
+
+import encoderstack
+from encoderstack import EncoderStackModel, modeling_encoderstack
+from encoderstack.modeling_encoderstack import PlanFacts, decide_plan
+
+BF16, FP32, FP16 = torch.bfloat16, torch.float32, torch.float16
+CPU, H100, T4 = ("cpu", None), ("cuda", (9, 0)), ("cuda", (7, 5))
+
+
+def facts(device=CPU, dtype=FP32, inputs="padded", backend="sdpa", **overrides):
+    values = {
+        "inputs": inputs,
+        "backend": backend,
+        "device_type": device[0],
+        "capability": device[1],
+        "dtype": dtype,
+        "head_dim": 64,
+        "attention_dropout": False,
+        "padding_free": True,
+        "recording": False,
+        "compiling": False,
+        "varlen_kernel": True,
+    }
+    values.update(overrides)
+    return PlanFacts(**values)
+
+
+# (device, dtype, input, other facts) -> (kind, attention function)
+PLAN_TABLE = [
+    ((CPU, FP32, "whole", {}), ("padded", "sdpa")),
+    ((CPU, FP32, "padded", {}), ("per_sequence", "encoderstack_per_sequence")),
+    ((CPU, FP32, "flattened", {}), ("per_sequence", "encoderstack_per_sequence")),
+    ((CPU, BF16, "padded", {}), ("per_sequence", "encoderstack_per_sequence")),
+    ((CPU, BF16, "flattened", {"backend": "eager"}), ("per_sequence", "encoderstack_per_sequence")),
+    ((CPU, FP32, "padded", {"padding_free": False}), ("padded", "sdpa")),
+    ((CPU, FP32, "flattened", {"padding_free": False}), ("block_diagonal", "sdpa")),
+    ((CPU, FP32, "flattened", {"recording": True}), ("block_diagonal", "sdpa")),
+    ((CPU, FP32, "flattened", {"compiling": True}), ("block_diagonal", "sdpa")),
+    ((H100, BF16, "whole", {}), ("padded", "sdpa")),
+    ((H100, BF16, "padded", {}), ("varlen", "encoderstack_varlen")),
+    ((H100, FP16, "flattened", {}), ("varlen", "encoderstack_varlen")),
+    ((H100, FP32, "padded", {}), ("padded", "sdpa")),
+    ((H100, FP32, "flattened", {}), ("per_sequence", "encoderstack_per_sequence")),
+    ((H100, BF16, "padded", {"attention_dropout": True}), ("padded", "sdpa")),
+    ((H100, BF16, "flattened", {"attention_dropout": True}), ("per_sequence", "encoderstack_per_sequence")),
+    ((H100, BF16, "padded", {"head_dim": 12}), ("padded", "sdpa")),
+    ((H100, BF16, "padded", {"head_dim": 512}), ("padded", "sdpa")),
+    ((H100, BF16, "padded", {"varlen_kernel": False}), ("padded", "sdpa")),
+    ((H100, BF16, "padded", {"backend": "eager"}), ("padded", "eager")),
+    ((H100, BF16, "padded", {"recording": True}), ("padded", "sdpa")),
+    ((T4, FP16, "padded", {}), ("padded", "sdpa")),
+    ((T4, FP16, "flattened", {}), ("per_sequence", "encoderstack_per_sequence")),
+    ((H100, BF16, "padded", {"backend": "flash_attention_2"}), ("varlen", "flash_attention_2")),
+    (
+        (H100, BF16, "flattened", {"backend": "flash_attention_2", "padding_free": False}),
+        ("varlen", "flash_attention_2"),
+    ),
+    ((H100, BF16, "padded", {"backend": "flash_attention_2", "padding_free": False}), ("padded", "flash_attention_2")),
+    ((H100, BF16, "whole", {"backend": "flash_attention_2"}), ("padded", "flash_attention_2")),
+]
+
+
+def cell_id(cell):
+    (device, capability), dtype, inputs, other = cell
+    where = device if capability is None else f"sm{capability[0]}{capability[1]}"
+    return "-".join([where, str(dtype).removeprefix("torch."), inputs, *(f"{k}={v}" for k, v in other.items())])
+
+
+@pytest.mark.parametrize(("cell", "expected"), PLAN_TABLE, ids=[cell_id(cell) for cell, _ in PLAN_TABLE])
+def test_the_plan_for_every_cell_of_the_table(cell, expected):
+    device, dtype, inputs, other = cell
+    plan = decide_plan(facts(device, dtype, inputs, **other))
+    assert (plan.kind, plan.attention) == expected, plan.reason
+
+
+def test_a_plan_is_immutable_and_says_why():
+    plan = decide_plan(facts(H100, FP32, "padded"))
+    with pytest.raises(AttributeError):
+        plan.kind = "varlen"
+    assert "float32" in plan.reason and "padded batch" in plan.reason
+
+
+def test_the_model_plans_with_autocasts_dtype_not_the_weights(monkeypatch):
+    """Trainer(bf16=True) keeps float32 weights and runs under autocast: the compute dtype is bfloat16."""
+    model = build(EncoderStackModel)
+    inputs = padded(sequences())
+    assert model.execution_plan(**inputs).facts.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.execution_plan(**inputs).facts.dtype == torch.bfloat16
+
+
+def test_the_model_exposes_the_plan_its_forward_obeys_and_logs_it(caplog, monkeypatch):
+    model = build(EncoderStackModel, attn_implementation="sdpa")
+    inputs = padded(sequences())
+    plan = model.execution_plan(**inputs)
+    assert plan.kind == "per_sequence" and plan.packing.lengths == [5, 9, 1, 7, 3]
+    used = []
+    original = modeling_encoderstack.per_sequence_attention
+    monkeypatch.setitem(
+        modeling_encoderstack.ALL_ATTENTION_FUNCTIONS._global_mapping,
+        "encoderstack_per_sequence",
+        lambda *args, **kwargs: used.append(1) or original(*args, **kwargs),
+    )
+    transformers_logger = logging.getLogger("encoderstack.modeling_encoderstack")
+    transformers_logger.setLevel(logging.DEBUG)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="encoderstack.modeling_encoderstack"), torch.no_grad():
+            model(**inputs)
+    finally:
+        transformers_logger.setLevel(logging.NOTSET)
+    assert len(used) == model.config.num_hidden_layers
+    assert "execution plan: per_sequence through encoderstack_per_sequence" in caplog.text
+
+
+def test_an_older_varlen_attn_without_scale_is_called_without_it():
+    def older(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
+        return query
+
+    kernel, takes_scale = modeling_encoderstack.inspect_varlen_attn(older)
+    assert kernel is older and not takes_scale
+    assert modeling_encoderstack.inspect_varlen_attn(torch.nn.attention.varlen.varlen_attn)[1]
+
+
+# torch's real varlen_attn, on CPU: kernels for its two ops that check the CUDA flash kernel's argument contract
+# and compute the real result (each sequence alone, in float32).
+
+KERNEL_CALLS = []
+
+
+def check_flash_contract(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
+    for x in (query, key, value):
+        assert x.dim() == 3 and x.stride(-1) == 1, "q/k/v must be (tokens, heads, head_dim), last dim contiguous"
+        assert x.dtype in (torch.float16, torch.bfloat16) and x.dtype == query.dtype, "flash takes fp16/bf16"
+        assert x.shape[-1] % 8 == 0 and x.shape[-1] <= 256, "flash head sizes: multiples of 8 up to 256"
+    for cu in (cu_seq_q, cu_seq_k):
+        assert cu.dtype == torch.int32 and cu.dim() == 1, "cu_seq_lens must be 1-D int32"
+        assert int(cu[-1]) == query.shape[0]
+    assert type(max_q) is int and type(max_k) is int, "max lengths must be Python ints"
+    assert max_q >= int(cu_seq_q.diff().max())
+
+
+def varlen_forward_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None, *rest):
+    check_flash_contract(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+    KERNEL_CALLS.append("forward")
+    out = attend_each(query, key, value, cu_seq_q, scale).to(query.dtype)
+    lse = torch.zeros(query.shape[1], query.shape[0], dtype=torch.float)
+    return out, lse, torch.zeros(2, dtype=torch.uint64)
+
+
+def varlen_backward_kernel(
+    grad, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, causal, rng, scale=None, *rest
+):
+    check_flash_contract(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+    KERNEL_CALLS.append("backward")
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    bounds = cu_seq_q.tolist()
+    grads = [
+        attention_backward(grad[a:b], *(x[a:b] for x in (query, key, value)), scale) for a, b in zip(bounds, bounds[1:])
+    ]
+    return tuple(torch.cat(parts).to(query.dtype) for parts in zip(*grads))
+
+
+def test_the_stand_in_backward_kernel_is_the_gradient_of_attention():
+    q, k, v, g = torch.randn(4, 7, 2, 8, dtype=torch.float64).unbind(0)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(0, 1) for x in leaves), scale=0.3)
+    expected = torch.autograd.grad(out.transpose(0, 1), leaves, g)
+    for actual, wanted in zip(attention_backward(g, q, k, v, 0.3), expected):
+        torch.testing.assert_close(actual, wanted.float())
+
+
+def attention_backward(grad, query, key, value, scale):
+    """softmax(scale q k^T) v differentiated by hand (kernels run below autograd); (tokens, heads, dim)."""
+    q, k, v, g = (x.transpose(0, 1).float() for x in (query, key, value, grad))
+    p = torch.softmax(scale * q @ k.transpose(1, 2), dim=-1)
+    dp = g @ v.transpose(1, 2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    return tuple(x.transpose(0, 1) for x in (scale * ds @ k, scale * ds.transpose(1, 2) @ q, p.transpose(1, 2) @ g))
+
+
+@pytest.fixture
+def varlen_on_cpu(monkeypatch):
+    """torch's varlen_attn runs here as on an sm90 device: its ops get the CPU kernels above."""
+    torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", varlen_forward_kernel)
+    torch.library.register_kernel("torch_attn::_varlen_attn_backward", "cpu", varlen_backward_kernel)
+    monkeypatch.setattr(modeling_encoderstack, "cuda_capability", lambda device: (9, 0))
+    real_varlen_attn = modeling_encoderstack.varlen_attn
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs):
+        # the op's schema turns a 0-d tensor into an int (a device sync each layer): the documented type is int
+        assert type(max_q) is int and type(max_k) is int, "varlen_attn takes Python-int max lengths"
+        return real_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs)
+
+    monkeypatch.setattr(modeling_encoderstack, "varlen_attn", varlen_attn)
+    KERNEL_CALLS.clear()
+    return KERNEL_CALLS
+
+
+@pytest.mark.parametrize("route", ["padded", "flattened"])
+def test_torchs_real_varlen_attn_runs_once_per_layer_under_bf16_autocast_forward_and_backward(route, varlen_on_cpu):
+    model = build(encoderstack.EncoderStackForMaskedLM, position_embedding_type="rope").train()
+    seqs = sequences()
+    inputs = padded(seqs) if route == "padded" else flattened(seqs)
+    labels = torch.where(torch.rand(inputs["input_ids"].shape) < 0.5, inputs["input_ids"], -100)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.model.execution_plan(**inputs).kind == "varlen"
+        out = model(**inputs, labels=labels)
+    out.loss.backward()
+    layers = model.config.num_hidden_layers
+    assert varlen_on_cpu == ["forward"] * layers + ["backward"] * layers
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(**inputs, labels=labels, padding_free=False)
+    expected.loss.backward()
+    torch.testing.assert_close(out.loss, expected.loss, atol=2e-2, rtol=0)
+    for name, p in model.named_parameters():  # bfloat16 keeps 8 bits: 2% of the gradient's size
+        assert (grads[name] - p.grad).norm() <= 0.02 * p.grad.norm() + 1e-6, name
+
+
+class HostSyncs(torch.overrides.TorchFunctionMode):
+    """Counts the calls that make a device wait for the host to read a value (on CPU they cost nothing, but each
+    one is a sync on a GPU): reading values, truth tests, and shapes that depend on values."""
+
+    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__}
+    READS |= {torch.Tensor.__index__, torch.Tensor.__float__, torch.Tensor.nonzero, torch.nonzero}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        masked_index = func is torch.Tensor.__getitem__ and torch.is_tensor(args[1]) and args[1].dtype == torch.bool
+        self.count += func in self.READS or masked_index
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_padded_masked_lm_training_step_makes_five_host_syncs():
+    """The plan's lengths, the labelled tokens of sparse prediction, and one each to check the mask's values, the ids'
+    ranges and the labels' range; none per layer, none per loss term."""
+    model = build(encoderstack.EncoderStackForMaskedLM, num_hidden_layers=4).train()
+    inputs = padded(sequences())
+    labels = torch.where(torch.rand(inputs["input_ids"].shape) < 0.3, inputs["input_ids"], -100)
+    with HostSyncs() as syncs:
+        model(**inputs, labels=labels).loss.backward()
+    assert syncs.count == 5
