@@ -994,7 +994,7 @@ def cross_entropy(logits, labels, num_items_in_batch=None, ignore_index=-100):
         logits.float().reshape(labels.numel(), -1), labels, reduction="none", ignore_index=ignore_index
     )
     if num_items_in_batch is None:
-        return loss.sum() / (labels != ignore_index).sum()
+        return loss.sum() / counts.sum()
     return loss.sum() / num_items_in_batch
 
 

@@ -163,20 +163,19 @@ class OutputFolder:
     def scratch(self, name: str):
         """A new hidden folder `.OUTPUT.name-XXXX` beside the output for the work's own files (a data cache),
         removed at the end, on an error, Ctrl-C, or a terminating signal."""
-        handlers = _terminating_signals_raise()
         created = [parent for parent in self.path.parents if not parent.exists()]
         folder = None
-        try:
-            with _signals_deferred():
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                folder = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.{name}-", dir=self.path.parent))
-            yield folder
-        finally:
-            with _signals_deferred():
-                if folder is not None:
-                    shutil.rmtree(folder, ignore_errors=True)
-                _remove_empty(created)
-                _restore(handlers)
+        with terminating_signals_raise():
+            try:
+                with _signals_deferred():
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    folder = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.{name}-", dir=self.path.parent))
+                yield folder
+            finally:
+                with _signals_deferred():
+                    if folder is not None:
+                        shutil.rmtree(folder, ignore_errors=True)
+                    _remove_empty(created)
 
     def _refuse_overlap(self, source: Path):
         output = _identity(self.path)

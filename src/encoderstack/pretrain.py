@@ -396,11 +396,6 @@ def check_pretrain_settings(
         raise PretrainError(f"unknown scheduler {scheduler!r}; choose from {', '.join(SCHEDULERS)}")
 
 
-def scratch_folder(destination: OutputFolder) -> Path:
-    """Checkpoints live beside the output, hidden, until the run has finished: `resume` picks up the last one."""
-    return destination.sibling("checkpoints")
-
-
 def folder_digest(folder) -> dict:
     """The sha256 of each file of a model or tokenizer folder but its card: what a resumed run must find again."""
     return {p.name: sha256(p) for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != "README.md"}
@@ -564,7 +559,7 @@ def pretrain(
     check_positions(max_length, folder_config or config)
     train_files = {f: sha256(f) for f in text_files(train)}
     eval_files = {f: sha256(f) for f in text_files(eval)} if eval is not None else {}
-    scratch = scratch_folder(destination)
+    scratch = destination.sibling("checkpoints")  # until the run has finished: `resume` picks up the last one
     settings = {
         "mlm_probability": mlm_probability,
         "whole_word_mask": whole_word_mask,
