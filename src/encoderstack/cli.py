@@ -235,13 +235,13 @@ def run(argv: list[str]) -> int:
     from .conversion import ConversionError
     from .conversion.tf_checkpoint import TFCheckpointError
     from .export_onnx import ExportError
-    from .finetune import FinetuneError
     from .hub_card import HubError
     from .output_folder import OutputFolderError
+    from .training import TrainingError
 
     try:
         return args.run(args)
-    except (ConversionError, TFCheckpointError, FinetuneError, HubError, OutputFolderError, ExportError) as error:
+    except (ConversionError, TFCheckpointError, TrainingError, HubError, OutputFolderError, ExportError) as error:
         print("encoderstack: error: " + " ".join(str(error).split()), file=sys.stderr)
         return 2
 

@@ -55,7 +55,10 @@ class FinetuneArguments:
 
     RUN_ONLY: ClassVar = ("model", "train", "eval", "force")  # recorded by content elsewhere, or not a setting
 
-    model: str | None = setting(None, "EncoderStack or BERT folder")
+    model: str | None = setting(
+        None,
+        "EncoderStack or BERT folder (the command's default: ./encoderstack-all-MiniLM-L6-v2, else the embedded one)",
+    )
     task: Literal["text-classification", "token-classification", "question-answering"] = setting(
         "text-classification", "the head to train"
     )

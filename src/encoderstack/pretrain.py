@@ -564,10 +564,6 @@ def pretrain(**settings) -> dict:
     run = PretrainArguments(**ours)
     args = PretrainTrainingArguments(**trainer_settings)
     args.require("pretrain", load_best_model_at_end=True, remove_unused_columns=False)
-    try:
-        import datasets  # noqa: F401  (fail before any work, not after it)
-    except ImportError as error:
-        raise PretrainError(f"pre-training needs {error.name}: pip install 'encoderstack[pretrain]'") from None
     require_matplotlib("pretrain")
     # before any work: no input may lie where the run writes, replaces or deletes
     inputs = [run.model, run.config, run.tokenizer, run.train, run.eval]
