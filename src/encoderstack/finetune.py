@@ -79,10 +79,8 @@ class FinetuneArguments:
                 "per-sequence labels or span positions the flattening collator does not carry"
             )
         self.train = self.train or str(DATA / "train.csv")
-        if self.eval is None:
-            if (
-                Path(self.train) != DATA / "train.csv"
-            ):  # scoring your data's model on the shipped reviews would look fine
+        if self.eval is None:  # scoring a model of your data on the shipped reviews would look plausible
+            if Path(self.train) != DATA / "train.csv":
                 raise TrainingError(f"{self.train}: no evaluation data given for it (eval, --eval)")
             self.eval = str(DATA / "dev.csv")
 
@@ -116,28 +114,24 @@ def read_text(path: Path) -> str:
         raise DataError(f"{path}: line {line}: not UTF-8 text ({error.reason} at byte {error.start})") from None
 
 
-def read_rows(path, cache) -> "datasets.Dataset":  # noqa: F821
-    """Rows of a CSV file (with a header; every cell a string) or a JSON-lines file, read by `datasets` (cached under
-    `cache`, kept in memory), each with its row number in `_row`: a CSV's as a spreadsheet shows it (the header is
-    row 1, whatever line breaks quoted cells hold), a JSON-lines file's line."""
+def read_rows(path, cache):
+    """Rows of a CSV file (with a header) or a JSON-lines file as a `datasets.Dataset` (read by its `csv` or `json`
+    loader, cached under `cache`, kept in memory), each with its row number in `_row`: a CSV's as a spreadsheet shows
+    it (the header is row 1, whatever line breaks quoted cells hold), a JSON-lines file's line."""
     path = Path(path)
     text = read_text(path)
     if not text.strip():
         raise DataError(f"{path}: no rows")
-    lines = path.suffix in (".jsonl", ".json")
+    json_lines = path.suffix in (".jsonl", ".json")
     with datasets_offline(progress=False) as datasets:
-        header = next(csv.reader(io.StringIO(text)), [])
-        options = (
-            {}
-            if lines
-            else {
-                "keep_default_na": False,
-                "features": datasets.Features(dict.fromkeys(header, datasets.Value("string"))),
-            }
-        )
+        options = {}
+        if not json_lines:  # every cell a string, an empty one "" (pandas would guess numbers, dates and NaN)
+            header = next(csv.reader(io.StringIO(text)), [])
+            strings = datasets.Features(dict.fromkeys(header, datasets.Value("string")))
+            options = {"keep_default_na": False, "features": strings}
         try:
             rows = datasets.load_dataset(
-                "json" if lines else "csv",
+                "json" if json_lines else "csv",
                 data_files=str(path),
                 split="train",
                 cache_dir=str(cache),
@@ -145,16 +139,19 @@ def read_rows(path, cache) -> "datasets.Dataset":  # noqa: F821
                 **options,
             )
         except datasets.exceptions.DatasetGenerationError as error:
-            raise DataError(f"{path}: {unreadable(text, lines, error.__cause__)}") from None
-    numbers = [n for n, line in enumerate(text.split("\n"), 1) if line.strip()] if lines else range(2, len(rows) + 2)
+            raise DataError(f"{path}: {unreadable(text, json_lines, error.__cause__)}") from None
+    if json_lines:
+        numbers = [number for number, line in enumerate(text.split("\n"), 1) if line.strip()]
+    else:
+        numbers = range(2, len(rows) + 2)
     if len(numbers) != len(rows):  # a JSON array on a line gives a row per element
-        raise DataError(f"{path}: {unreadable(text, lines, None)}")
+        raise DataError(f"{path}: {unreadable(text, json_lines, None)}")
     return rows.add_column("_row", list(numbers))
 
 
-def unreadable(text: str, lines: bool, cause) -> str:
+def unreadable(text: str, json_lines: bool, cause) -> str:
     """Why `datasets` could not read a file: pandas' reason for a CSV, the first line that is not a JSON object."""
-    if not lines:
+    if not json_lines:
         return f"not valid CSV ({' '.join(str(cause).split())})"
     for number, line in enumerate(text.split("\n"), start=1):  # not splitlines(): a string may hold U+2028, \f, ...
         try:

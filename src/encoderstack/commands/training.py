@@ -7,8 +7,7 @@ from pathlib import Path
 
 from ..finetune import FinetuneArguments, FinetuneTrainingArguments, finetune
 from ..pretrain import PretrainArguments, PretrainTrainingArguments, pretrain
-
-DEFAULT_MODEL = "encoderstack-all-MiniLM-L6-v2"  # cli.DEFAULT_OUTPUT: what `encoderstack convert` writes
+from . import DEFAULT_OUTPUT, embedded_default
 
 
 def settings_of(args, *types) -> dict:
@@ -18,11 +17,9 @@ def settings_of(args, *types) -> dict:
 
 
 def finetune_command(args) -> int:
-    from ..cli import embedded_default
-
     model = args.model
     if model is None:  # the main job's output if it is there, else the embedded BERT, converted on the fly
-        model = DEFAULT_MODEL if Path(DEFAULT_MODEL).is_dir() else str(embedded_default())
+        model = DEFAULT_OUTPUT if Path(DEFAULT_OUTPUT).is_dir() else str(embedded_default())
     settings = settings_of(args, FinetuneArguments, FinetuneTrainingArguments)
     record = finetune(**{**settings, "model": model})
     output = args.output_dir
