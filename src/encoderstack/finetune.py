@@ -1,30 +1,42 @@
 """`encoderstack finetune`: fine-tune an EncoderStack (or BERT) checkpoint with transformers' Trainer.
 
-Data is CSV or JSON lines, checked row by row before any training starts. Runs the same under `torchrun` and
-`accelerate launch` (Trainer does the data parallelism); only the main process writes the results.
+Data is CSV or JSON lines, read with `datasets` and checked row by row before any training starts. Runs the same under
+`torchrun` and `accelerate launch` (Trainer does the data parallelism); only the main process writes the results.
 """
 
-import copy
 import csv
 import io
 import json
-import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 import transformers
 
 from . import modeling_encoderstack
-from .checkpoint import TOKENIZER_FILES, has_tokenizer
-from .conversion.converter import open_source
-from .conversion.keymap import FAMILIES, ConversionError, task_for_architecture
-from .conversion.sources import has_hf_weights, require_hf_weights
+from .conversion.keymap import ConversionError, task_for_architecture
 from .hub_card import write_card
-from .jsonfile import read_json_object
 from .output_folder import OutputFolder, terminating_signals_raise
+from .training import (
+    CommandTrainingArguments,
+    DataError,
+    TrainingError,
+    check_weights,
+    cpu_weights,
+    datasets_offline,
+    evaluate_weights,
+    is_integer,
+    load_tokenizer,
+    model_config,
+    plot_losses,
+    require_matplotlib,
+    setting,
+    settings_from,
+    settings_record,
+)
 
 DATA = Path(__file__).parent / "data" / "sentiment"
 # Heads whose `classifier` weights another of them would load as its own when the shapes agree.
@@ -34,14 +46,60 @@ CLASSIFIER_HEADS = (
     "EncoderStackForQuestionAnswering",
     "EncoderStackForMultipleChoice",
 )
+FinetuneError = TrainingError  # the name finetune's callers catch
 
 
-class FinetuneError(ValueError):
-    """A fine-tuning run that cannot start: its settings, its model folder or its data (the message says which)."""
+@dataclass
+class FinetuneArguments:
+    """What `finetune` itself takes (Trainer's settings are `FinetuneTrainingArguments`)."""
+
+    RUN_ONLY: ClassVar = ("model", "train", "eval", "force")  # recorded by content elsewhere, or not a setting
+
+    model: str | None = setting(
+        None,
+        "EncoderStack or BERT folder (the command's default: ./encoderstack-all-MiniLM-L6-v2, else the embedded one)",
+    )
+    task: Literal["text-classification", "token-classification", "question-answering"] = setting(
+        "text-classification", "the head to train"
+    )
+    train: str | None = setting(None, "CSV or JSON lines (default: the shipped sentiment data)")
+    eval: str | None = setting(None, "CSV or JSON lines (default: the shipped sentiment data)")
+    max_length: int = setting(128, "tokens per example; longer ones are cut")
+    packing: bool = setting(False, "token classification: each batch as one flattened row (DataCollatorWithFlattening)")
+    force: bool = setting(False, "replace an existing output folder")
+
+    def __post_init__(self):
+        if not (is_integer(self.max_length) and self.max_length > 0):
+            raise TrainingError(f"max_length must be a positive integer, got {self.max_length!r}")
+        if self.task not in TASKS:
+            raise TrainingError(f"unknown task {self.task!r}; choose from {', '.join(TASKS)}")
+        if self.packing and self.task != "token-classification":
+            raise TrainingError(
+                f"packing flattens each batch into one row with token labels only; {self.task} needs "
+                "per-sequence labels or span positions the flattening collator does not carry"
+            )
+        self.train = self.train or str(DATA / "train.csv")
+        if self.eval is None:  # scoring a model of your data on the shipped reviews would look plausible
+            if Path(self.train) != DATA / "train.csv":
+                raise TrainingError(f"{self.train}: no evaluation data given for it (eval, --eval)")
+            self.eval = str(DATA / "dev.csv")
 
 
-class DataError(FinetuneError):
-    """Training or evaluation data that cannot be used; the message names the file and the row."""
+@dataclass
+class FinetuneTrainingArguments(CommandTrainingArguments):
+    """Trainer's settings for fine-tuning: an evaluation and a checkpoint each epoch, the best one kept."""
+
+    output_dir: str | None = setting("encoderstack-finetuned", "where the best checkpoint goes", "--output")
+    num_train_epochs: float = setting(3.0, "passes over the training data", "--epochs")
+    per_device_train_batch_size: int = setting(16, "examples per process and step", "--batch-size")
+    per_device_eval_batch_size: int = setting(16, "examples per process in evaluation")
+    optim: str = setting("adamw_torch", "any TrainingArguments optim, e.g. sgd")
+    warmup_steps: float = setting(0.1, "linear warm-up: optimizer steps, or below 1 a share of the run")
+    eval_strategy: str = setting("epoch", "when to evaluate (and keep the best checkpoint)")
+    save_strategy: str = setting("epoch", "when to save a checkpoint (as eval_strategy)")
+    logging_steps: float = setting(0.05, "steps between loss logs, or below 1 a share of the run")
+    load_best_model_at_end: bool = setting(True, "keep the best checkpoint (finetune needs it)")
+    train_sampling_strategy: str = setting("sequential", "the data is shuffled once, by seed, before training")
 
 
 def read_text(path: Path) -> str:
@@ -56,53 +114,53 @@ def read_text(path: Path) -> str:
         raise DataError(f"{path}: line {line}: not UTF-8 text ({error.reason} at byte {error.start})") from None
 
 
-def read_rows(path) -> list[dict]:
-    """Rows of a CSV file (with a header) or a JSON-lines file, each with its 1-based row number in `_row`."""
+def read_rows(path, cache):
+    """Rows of a CSV file (with a header) or a JSON-lines file as a `datasets.Dataset` (read by its `csv` or `json`
+    loader, cached under `cache`, kept in memory), each with its row number in `_row`: a CSV's as a spreadsheet shows
+    it (the header is row 1, whatever line breaks quoted cells hold), a JSON-lines file's line."""
     path = Path(path)
     text = read_text(path)
-    rows = read_json_lines(path, text) if path.suffix in (".jsonl", ".json") else read_csv(path, text)
-    if not rows:
+    if not text.strip():
         raise DataError(f"{path}: no rows")
-    return rows
-
-
-def read_json_lines(path: Path, text: str) -> list[dict]:
-    rows = []
-    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines(): a string may hold U+2028, \f, ...
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except ValueError as error:
-                raise DataError(f"{path}: row {number}: not a JSON object ({error})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}: row {number}: not a JSON object")
-            rows.append({**row, "_row": number})
-    return rows
-
-
-def read_csv(path: Path, text: str) -> list[dict]:
-    """The header is row 1, so the first record is row 2: what a spreadsheet shows, whatever line breaks its quoted
-    cells hold. Strict: an unclosed quote is an error, not a cell that swallows the rest of the file."""
-    records = csv.DictReader(io.StringIO(text, newline=""), strict=True)
-    rows = []
-    while True:
-        line = records.line_num + 1
+    json_lines = path.suffix in (".jsonl", ".json")
+    with datasets_offline(progress=False) as datasets:
+        options = {}
+        if not json_lines:  # every cell a string, an empty one "" (pandas would guess numbers, dates and NaN)
+            header = next(csv.reader(io.StringIO(text)), [])
+            strings = datasets.Features(dict.fromkeys(header, datasets.Value("string")))
+            options = {"keep_default_na": False, "features": strings}
         try:
-            row = next(records, None)
-        except csv.Error as error:
-            raise DataError(f"{path}: line {line}: not valid CSV ({error})") from None
-        if row is None:
-            return rows
-        if None in row:  # csv's key for fields beyond the header's
-            raise DataError(
-                f"{path}: row {len(rows) + 2}: more fields than the header has ({len(row[None])} "
-                f"extra; is a comma inside an unquoted field?)"
+            rows = datasets.load_dataset(
+                "json" if json_lines else "csv",
+                data_files=str(path),
+                split="train",
+                cache_dir=str(cache),
+                keep_in_memory=True,
+                **options,
             )
-        rows.append({**row, "_row": len(rows) + 2})
+        except datasets.exceptions.DatasetGenerationError as error:
+            raise DataError(f"{path}: {unreadable(text, json_lines, error.__cause__)}") from None
+    if json_lines:
+        numbers = [number for number, line in enumerate(text.split("\n"), 1) if line.strip()]
+    else:
+        numbers = range(2, len(rows) + 2)
+    if len(numbers) != len(rows):  # a JSON array on a line gives a row per element
+        raise DataError(f"{path}: {unreadable(text, json_lines, None)}")
+    return rows.add_column("_row", list(numbers))
 
 
-def is_integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def unreadable(text: str, json_lines: bool, cause) -> str:
+    """Why `datasets` could not read a file: pandas' reason for a CSV, the first line that is not a JSON object."""
+    if not json_lines:
+        return f"not valid CSV ({' '.join(str(cause).split())})"
+    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines(): a string may hold U+2028, \f, ...
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except ValueError as error:
+            return f"row {number}: not a JSON object ({error})"
+        if not isinstance(row, dict):
+            return f"row {number}: not a JSON object"
+    return f"not JSON lines ({cause})"
 
 
 def is_text(value) -> bool:
@@ -169,21 +227,22 @@ class Task:
             return sorted({str(tag) for row in rows for tag in as_list(row["tags"])})
         return []
 
-    def encode(self, rows, path, tokenizer, label2id, max_length, positions=None) -> list[dict]:
-        """Every row's features; `positions` (the model's learned position embeddings) caps their length."""
-        encoded = []
-        for row in rows:
-            features = getattr(self, "_encode_" + self.name.replace("-", "_"))(
-                row, path, tokenizer, label2id, max_length
-            )
-            if positions is not None and len(features["input_ids"]) > positions:
+    def encode(self, rows, path, tokenizer, label2id, max_length, positions=None):
+        """Every row's features (`Dataset.map`, with a progress bar); `positions` (the model's learned position
+        embeddings) caps their length."""
+        encode_row = getattr(self, "_encode_" + self.name.replace("-", "_"))
+
+        def features(row):
+            encoded = encode_row(row, path, tokenizer, label2id, max_length)
+            if positions is not None and len(encoded["input_ids"]) > positions:
                 raise DataError(
-                    f"{path}: row {row['_row']}: {len(features['input_ids'])} tokens, more than the "
+                    f"{path}: row {row['_row']}: {len(encoded['input_ids'])} tokens, more than the "
                     f"model's {positions} positions (max_position_embeddings); use a max_length of at "
                     f"most {positions}"
                 )
-            encoded.append(features)
-        return encoded
+            return encoded
+
+        return rows.map(features, remove_columns=rows.column_names, desc=f"Tokenizing {Path(path).name}")
 
     def _label_id(self, label, row, path, label2id):
         if str(label) not in label2id:
@@ -303,71 +362,6 @@ def scores(evaluation: dict) -> dict:
     }
 
 
-def plot_losses(
-    log_history: list[dict],
-    path: Path,
-    title: str = "Fine-tuning loss",
-    eval_key: str = "eval_loss",
-    learning_rate: bool = False,
-) -> None:
-    """Training and evaluation loss against steps, and with `learning_rate` the schedule on a second axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
-    for key, label in (("loss", "training"), (eval_key, "evaluation")):
-        points = [(entry["step"], entry[key]) for entry in log_history if key in entry]
-        if points:
-            axes.plot(*zip(*points), marker="o" if key == eval_key else None, label=label)
-    axes.set(xlabel="step", ylabel="loss", title=title)
-    axes.legend(loc="upper right")
-    rates = [(entry["step"], entry["learning_rate"]) for entry in log_history if "learning_rate" in entry]
-    if learning_rate and rates:
-        schedule = axes.twinx()
-        schedule.plot(*zip(*rates), color="grey", linestyle=":", label="learning rate")
-        schedule.set_ylabel("learning rate")
-        schedule.legend(loc="center right")
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-
-
-def check_settings(epochs, batch_size, learning_rate, max_length, seed, gradient_accumulation_steps) -> None:
-    """Numbers Trainer would accept and then train nothing, or NaN, from."""
-    for name, value in (("epochs", epochs), ("learning_rate", learning_rate)):
-        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
-            raise FinetuneError(f"{name} must be a positive finite number, got {value!r}")
-    for name, value in (
-        ("batch_size", batch_size),
-        ("max_length", max_length),
-        ("gradient_accumulation_steps", gradient_accumulation_steps),
-    ):
-        if not (is_integer(value) and value > 0):
-            raise FinetuneError(f"{name} must be a positive integer, got {value!r}")
-    if not (is_integer(seed) and 0 <= seed < 2**32):
-        raise FinetuneError(f"seed must be an integer in [0, 2**32), got {seed!r}")
-
-
-def model_config(model) -> dict:
-    """The config.json of an EncoderStack or BERT folder that has a tokenizer: checked before anything is loaded."""
-    folder = Path(model)
-    if not folder.is_dir():
-        raise FinetuneError(f"{folder}: no such model folder")
-    config = read_json_object(folder / "config.json", FinetuneError)
-    if config.get("model_type") != "encoderstack" and config.get("model_type") not in FAMILIES:
-        raise FinetuneError(
-            f"{folder / 'config.json'}: model_type {config.get('model_type')!r} is not an EncoderStack or BERT model"
-        )
-    if not has_tokenizer(folder):
-        raise FinetuneError(
-            f"{folder}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); fine-tuning takes the "
-            f"tokenizer from the model folder"
-        )
-    return config
-
-
 def head_class(config, path: Path) -> str | None:
     """The EncoderStack class the weights of the folder (`path`: its config.json) are for (a BERT architecture is
     translated), None if unknown."""
@@ -401,153 +395,68 @@ def training_labels(config, model, spec: Task, labels: list[str]) -> list[str]:
     return trained
 
 
-def check_weights(model, error: type[Exception] = FinetuneError) -> None:
-    """A model folder whose weights are missing or do not read fails here, before any data is read (transformers
-    would fail after loading it), with convert's own message as the command's error."""
-    folder = Path(model)
-    try:
-        if has_hf_weights(folder):
-            require_hf_weights(folder).close()
-        else:  # a BERT folder may hold a TensorFlow checkpoint instead: from_pretrained converts it
-            open_source(folder).tensors.close()
-    except ConversionError as error_in_weights:
-        raise error(str(error_in_weights)) from None
-
-
-def load_tokenizer(model, config):
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    except (OSError, ValueError) as error:
-        raise FinetuneError(f"{model}: the tokenizer does not load ({' '.join(str(error).split())})") from None
-    if len(tokenizer) > config.get("vocab_size", len(tokenizer)):
-        raise FinetuneError(
-            f"{model}: the tokenizer has {len(tokenizer)} tokens but the model only "
-            f"{config['vocab_size']} embeddings (vocab_size in config.json)"
-        )
-    return tokenizer
-
-
-def finetune(
-    model,
-    output,
-    task="text-classification",
-    train=DATA / "train.csv",
-    eval=None,
-    epochs=3.0,
-    batch_size=16,
-    learning_rate=1e-4,
-    max_length=128,
-    seed=42,
-    gradient_accumulation_steps=1,
-    force=False,
-    packing=False,
-    **training_args,
-) -> dict:
-    """Fine-tune `model` (an EncoderStack or BERT folder) on `train`, keep the best checkpoint by `eval`, and
-    write it to `output` with its tokenizer, `finetune.json` (data, settings, metrics) and `loss.png`. `eval`
-    defaults to the shipped held-out set only when `train` is the shipped training set.
+def finetune(model=None, output=None, **settings) -> dict:
+    """Fine-tune `model` (an EncoderStack or BERT folder) on `train`, keep the best checkpoint by `eval`, and write it
+    to `output` with its tokenizer, `finetune.json` (data, settings, metrics) and `loss.png`. `settings`: the fields of
+    `FinetuneArguments` and of `FinetuneTrainingArguments` (every `TrainingArguments` field, e.g. `bf16=True`), or
+    their aliases (`epochs`, `batch_size`, `lr`). `eval` defaults to the shipped held-out set only when `train` is
+    the shipped training set.
 
     Settings, model folder and data are all checked before any model is loaded (FinetuneError, DataError)."""
-    check_settings(epochs, batch_size, learning_rate, max_length, seed, gradient_accumulation_steps)
-    try:
-        import matplotlib  # noqa: F401  (fail before training, not after it)
-    except ImportError:
-        raise FinetuneError("the loss plot needs matplotlib: pip install 'encoderstack[plots]'") from None
-    if task not in TASKS:
-        raise FinetuneError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
-    if packing and task != "token-classification":
-        raise FinetuneError(
-            f"packing flattens each batch into one row with token labels only; {task} needs "
-            "per-sequence labels or span positions the flattening collator does not carry"
-        )
-    if eval is None:
-        if Path(train) != DATA / "train.csv":  # scoring your data's model on the shipped reviews would look plausible
-            raise FinetuneError(f"{train}: no evaluation data given for it (eval, --eval)")
-        eval = DATA / "dev.csv"
+    ours, trainer_settings = settings_from(
+        {"model": model, **({"output_dir": output} if output is not None else {}), **settings},
+        FinetuneArguments,
+        FinetuneTrainingArguments,
+    )
+    run = FinetuneArguments(**ours)
+    spec = TASKS[run.task]
+    args = FinetuneTrainingArguments(**{"metric_for_best_model": spec.metric, **trainer_settings})
+    args.require("finetune", load_best_model_at_end=True)
+    require_matplotlib("plots")
     # before any work: the output is usable, and no input lies where the run writes, replaces or deletes
-    destination = OutputFolder(output, force, inputs=[model, train, eval], siblings=["checkpoints"])
-    spec = TASKS[task]
-    config = model_config(model)
-    train_rows, eval_rows = read_rows(train), read_rows(eval)
-    require(train_rows, train, spec.columns, spec.optional)
-    require(eval_rows, eval, spec.columns, spec.optional)
+    destination = OutputFolder(
+        args.output_dir, run.force, inputs=[run.model, run.train, run.eval], siblings=["checkpoints"]
+    )
+    checkpoints = destination.sibling("checkpoints")
+    args.output_dir = str(checkpoints)  # Trainer's checkpoints: hidden beside the output until the run is over
+    config = model_config(run.model)
+    with destination.scratch("data") as cache:
+        train_rows, eval_rows = read_rows(run.train, cache), read_rows(run.eval, cache)
+    require(train_rows, run.train, spec.columns, spec.optional)
+    require(eval_rows, run.eval, spec.columns, spec.optional)
     labels = spec.labels(train_rows)
     if spec.name != "question-answering" and len(labels) < 2:  # one label: Trainer would fit a regression
-        raise DataError(f"{train}: every row has the label {labels[0]!r}; a classifier needs at least two")
-    labels = training_labels(config, model, spec, labels)
-    check_weights(model)
+        raise DataError(f"{run.train}: every row has the label {labels[0]!r}; a classifier needs at least two")
+    labels = training_labels(config, run.model, spec, labels)
+    check_weights(run.model)
     label2id = {label: i for i, label in enumerate(labels)}
-    tokenizer = load_tokenizer(model, config)
+    tokenizer = load_tokenizer(run.model, config)
     absolute = config.get("position_embedding_type", "absolute") == "absolute"
     positions = config.get("max_position_embeddings") if absolute else None
-    train_set = spec.encode(train_rows, train, tokenizer, label2id, max_length, positions)
+    train_set = spec.encode(train_rows, run.train, tokenizer, label2id, run.max_length, positions)
     # Shuffled once here and then read in order, so that the batches do not depend on the number of processes:
     # N processes with batch b reproduce one process with batch N*b (Trainer's samplers differ between the two).
-    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed)).tolist()
-    train_set = [train_set[i] for i in order]
-    eval_set = spec.encode(eval_rows, eval, tokenizer, label2id, max_length, positions)
-
-    checkpoints = destination.sibling("checkpoints")
-    try:
-        args = transformers.TrainingArguments(
-            output_dir=str(checkpoints),
-            num_train_epochs=epochs,
-            per_device_train_batch_size=batch_size,
-            per_device_eval_batch_size=batch_size,
-            learning_rate=learning_rate,
-            warmup_steps=0.1,
-            weight_decay=0.01,
-            seed=seed,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            eval_strategy="epoch",
-            save_strategy="epoch",
-            load_best_model_at_end=True,
-            metric_for_best_model=spec.metric,
-            save_total_limit=1,
-            train_sampling_strategy="sequential",
-            logging_steps=max(1, math.ceil(len(train_set) / batch_size / 4)),
-            report_to=[],
-            use_cpu=not torch.cuda.is_available(),
-            **training_args,
-        )
-    except ValueError as error:  # an optimizer name, a precision this machine lacks, ...
-        raise FinetuneError(f"training settings: {' '.join(str(error).split())}") from None
-    transformers.set_seed(seed)
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    train_set = train_set.select(order)
+    eval_set = spec.encode(eval_rows, run.eval, tokenizer, label2id, run.max_length, positions)
+    transformers.set_seed(args.seed)
     label_config = (
         {"num_labels": len(labels), "id2label": dict(enumerate(labels)), "label2id": label2id} if labels else {}
     )
+    record = {
+        "task": run.task,
+        "base_model": str(run.model),
+        "train": str(run.train),
+        "eval": str(run.eval),
+        "train_rows": len(train_set),
+        "eval_rows": len(eval_set),
+        "labels": labels,
+        "settings": {**settings_record(run, args), "world_size": args.world_size},
+    }
     with terminating_signals_raise():  # SIGTERM, too, ends in the `finally` that removes the checkpoints
         try:
-            network = getattr(modeling_encoderstack, spec.model_class).from_pretrained(model, **label_config)
-            return train_and_save(
-                network,
-                tokenizer,
-                args,
-                spec,
-                train_set,
-                eval_set,
-                destination,
-                {
-                    "task": task,
-                    "base_model": str(model),
-                    "train": str(train),
-                    "eval": str(eval),
-                    "train_rows": len(train_set),
-                    "eval_rows": len(eval_set),
-                    "labels": labels,
-                    "settings": {
-                        "epochs": epochs,
-                        "batch_size": batch_size,
-                        "learning_rate": learning_rate,
-                        "gradient_accumulation_steps": gradient_accumulation_steps,
-                        "max_length": max_length,
-                        "seed": seed,
-                        "world_size": args.world_size,
-                        "packing": packing,
-                    },
-                },
-                packing,
-            )
+            network = getattr(modeling_encoderstack, spec.model_class).from_pretrained(run.model, **label_config)
+            return train_and_save(network, tokenizer, args, spec, train_set, eval_set, destination, record, run.packing)
         finally:  # the best checkpoint is in `output` by now, or the run failed: either way the rest is scratch
             if args.should_save:
                 shutil.rmtree(checkpoints, ignore_errors=True)
@@ -564,6 +473,10 @@ def train_and_save(
     record: dict,
     packing: bool = False,
 ) -> dict:
+    # The starting point is scored after training, from a copy on the CPU: under DDP (transformers 5.24) a
+    # Trainer.evaluate() before train() changes what the processes then train (measured: 3e-2 off the one-process
+    # weights), and a copy on the accelerator would double the model's memory there for the whole run.
+    starting_weights = cpu_weights(network)
     trainer = transformers.Trainer(
         model=network,
         args=args,
@@ -571,22 +484,13 @@ def train_and_save(
         eval_dataset=eval_set,
         data_collator=collator(spec, tokenizer, packing),
         compute_metrics=spec.metrics,
-        callbacks=[TiesToTheLowerLoss(spec.metric)],
+        callbacks=[TiesToTheLowerLoss(args.metric_for_best_model)],
     )
-    # The starting point is scored after training, on a copy: under DDP (transformers 5.24) a Trainer.evaluate()
-    # before train() changes what the processes then train (measured: 3e-2 off the one-process weights).
-    baseline = copy.deepcopy(network)
     trainer.train()
     history = list(trainer.state.log_history)
     after = trainer.evaluate()  # the best checkpoint, reloaded by load_best_model_at_end
-    before = transformers.Trainer(
-        model=baseline,
-        args=args,
-        eval_dataset=eval_set,
-        data_collator=collator(spec, tokenizer, packing),
-        compute_metrics=spec.metrics,
-    ).evaluate()
-    del baseline
+    before = evaluate_weights(trainer, starting_weights)
+    del starting_weights
     record = {
         **record,
         "before": scores(before),

@@ -8,40 +8,47 @@ them, read line by line (checked as it is read) into a `datasets` Arrow cache th
 
 import ast
 import collections
-import copy
+import dataclasses
 import hashlib
 import json
 import math
-import os
 import shutil
 import sys
 import sysconfig
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import transformers
 
 from .checkpoint import TOKENIZER_FILES, has_tokenizer, sha256
 from .configuration_encoderstack import EncoderStackConfig
-from .finetune import (
-    DataError,
-    FinetuneError,
-    check_settings,
-    check_weights,
-    is_integer,
-    load_tokenizer,
-    model_config,
-    plot_losses,
-)
 from .hub_card import write_card
 from .jsonfile import read_json_object
 from .modeling_encoderstack import EncoderStackForMaskedLM
 from .output_folder import OutputFolder
+from .training import (
+    CommandTrainingArguments,
+    DataError,
+    TrainingError,
+    check_weights,
+    cpu_weights,
+    datasets_offline,
+    evaluate_weights,
+    is_integer,
+    load_tokenizer,
+    model_config,
+    plot_losses,
+    require_matplotlib,
+    setting,
+    settings_from,
+    settings_record,
+)
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
-SCHEDULERS = ("linear", "cosine", "constant")
 METRICS = ("mlm_loss", "perplexity", "accuracy")
 EVAL_MASK_SEED = 1234  # one masking of the evaluation text for every run, so that runs compare
 HELD_OUT = 0.1  # of the training documents, when no evaluation text is given
@@ -49,8 +56,98 @@ SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 TRAINER_STATE = "trainer_state.json"  # Trainer writes it last into a checkpoint: a folder without it was cut short
 
 
-class PretrainError(FinetuneError):
+class PretrainError(TrainingError):
     """A pre-training run that cannot start: its settings, its model or config, or its resume state."""
+
+
+@dataclass
+class PretrainArguments:
+    """What `pretrain` itself takes (Trainer's settings are `PretrainTrainingArguments`)."""
+
+    # recorded by content in the run's inputs, or not a setting of the run
+    RUN_ONLY: ClassVar = (
+        "model",
+        "config",
+        "tokenizer",
+        "train_tokenizer",
+        "train",
+        "eval",
+        "num_proc",
+        "resume",
+        "force",
+    )
+
+    model: str | None = setting(None, "EncoderStack or BERT folder to continue from (converted on the fly)")
+    config: str | None = setting(None, "a fresh model: EncoderStackConfig fields key=value,... or a JSON file")
+    tokenizer: str | None = setting(None, "a fresh model's tokenizer (a folder)")
+    train_tokenizer: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "a fresh model's tokenizer: WordPiece trained on its text", "metavar": "VOCAB_SIZE"},
+    )
+    train: str | None = setting(
+        None, ".txt (a paragraph a line, blank lines between documents), .jsonl (a text field), or a folder of them"
+    )
+    eval: str | None = setting(None, "evaluation text, as --train (default: a held-out tenth of its documents)")
+    mlm_probability: float = setting(0.15, "share of the tokens masked")
+    whole_word_mask: bool = setting(False, "mask whole words (all with [MASK])")
+    max_length: int = setting(128, "tokens per sequence, [CLS] and [SEP] in")
+    num_proc: int | None = setting(None, "processes that tokenize the text (datasets.map; default: this one)")
+    resume: bool = setting(False, "continue from the last checkpoint of an unfinished run")
+    force: bool = setting(False, "replace an existing output folder, or start over")
+
+    def __post_init__(self):
+        if self.train is None:
+            raise PretrainError("no training text given (train, --train)")
+        if not (isinstance(self.mlm_probability, (int, float)) and 0 < self.mlm_probability < 1):
+            raise PretrainError(f"mlm_probability must lie strictly between 0 and 1, got {self.mlm_probability!r}")
+        if not (is_integer(self.max_length) and self.max_length >= 3):
+            raise PretrainError(f"max_length must be at least 3 ([CLS], a token, [SEP]), got {self.max_length!r}")
+        if self.num_proc is not None and not (is_integer(self.num_proc) and self.num_proc > 0):
+            raise PretrainError(f"num_proc must be a positive integer, got {self.num_proc!r}")
+        if (self.model is None) == (self.config is None):
+            raise PretrainError("give a model folder (model, --model) or a fresh model's config (config, --config)")
+        if self.model is not None and (self.tokenizer is not None or self.train_tokenizer is not None):
+            raise PretrainError(f"{self.model}: continued pre-training uses the model folder's own tokenizer")
+        if self.model is None and (self.tokenizer is None) == (self.train_tokenizer is None):
+            raise PretrainError(
+                "a fresh model (config) needs exactly one of tokenizer (a folder) or train_tokenizer "
+                "(a vocabulary size)"
+            )
+
+
+@dataclass
+class PretrainTrainingArguments(CommandTrainingArguments):
+    """Trainer's settings for pre-training: an evaluation and a checkpoint every quarter of the run (the last step
+    included), the best kept by the masked-LM loss, the tokens seen counted."""
+
+    output_dir: str | None = setting("encoderstack-pretrained", "where the best checkpoint goes", "--output")
+    num_train_epochs: float = setting(1.0, "passes over the text (max_steps overrides it)", "--epochs")
+    per_device_train_batch_size: int = setting(32, "sequences per process and step", "--batch-size")
+    per_device_eval_batch_size: int = setting(32, "sequences per process in evaluation")
+    lr_scheduler_type: transformers.SchedulerType | str = setting(
+        "linear",
+        "learning-rate schedule after the warm-up (constant: constant_with_warmup when warming up)",
+        "--scheduler",
+    )
+    warmup_steps: float = setting(0, "linear warm-up: optimizer steps, or below 1 a share of the run", "--warmup-ratio")
+    eval_strategy: str = setting("steps", "when to evaluate (and keep the best checkpoint)")
+    eval_steps: float | None = setting(0.25, "steps between evaluations, or below 1 a share of the run")
+    save_steps: float | None = setting(None, "steps between checkpoints (default: eval_steps)")
+    logging_steps: float = setting(0.05, "steps between loss logs, or below 1 a share of the run")
+    logging_first_step: bool = setting(True, "log the loss of the first step")
+    load_best_model_at_end: bool = setting(True, "keep the best checkpoint (pretrain needs it)")
+    metric_for_best_model: str | None = setting("mlm_loss", "the metric the best checkpoint is chosen by")
+    include_num_input_tokens_seen: str | bool = setting(True, "count the training tokens (tokens/s, pretrain.json)")
+    remove_unused_columns: bool = setting(False, "pretrain's collator needs every column")
+
+    def __post_init__(self):
+        if not (self.max_steps == -1 or is_integer(self.max_steps) and self.max_steps > 0):
+            raise PretrainError(f"max_steps must be a positive integer, got {self.max_steps!r}")
+        if self.save_steps is None:
+            self.save_steps = self.eval_steps
+        if self.lr_scheduler_type == "constant" and self.warmup_steps:
+            self.lr_scheduler_type = "constant_with_warmup"
+        super().__post_init__()
 
 
 # ---------------------------------------------------------------------------------------------------------------- data
@@ -121,17 +218,15 @@ def read_documents(files):
 
 def load_documents(files: dict, cache: Path):
     """The documents of `files` (path -> sha256) as a `datasets.Dataset` cached under `cache`."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # everything here is local; never let datasets look online
-    import datasets
-
-    try:
-        return datasets.Dataset.from_generator(
-            read_documents, cache_dir=str(cache), gen_kwargs={"files": [(str(f), d) for f, d in files.items()]}
-        )
-    except datasets.exceptions.DatasetGenerationError as error:
-        if isinstance(error.__cause__, DataError):
-            raise error.__cause__ from None
-        raise
+    with datasets_offline() as datasets:
+        try:
+            return datasets.Dataset.from_generator(
+                read_documents, cache_dir=str(cache), gen_kwargs={"files": [(str(f), d) for f, d in files.items()]}
+            )
+        except datasets.exceptions.DatasetGenerationError as error:
+            if isinstance(error.__cause__, DataError):
+                raise error.__cause__ from None
+            raise
 
 
 def chunker(tokenizer, max_length: int, offsets: bool):
@@ -363,39 +458,6 @@ class EvaluateAtTheEnd(transformers.TrainerCallback):
             control.should_evaluate = True
 
 
-def check_pretrain_settings(
-    mlm_probability,
-    max_length,
-    max_steps,
-    epochs,
-    batch_size,
-    lr,
-    warmup_steps,
-    warmup_ratio,
-    scheduler,
-    seed,
-    eval_steps,
-) -> None:
-    if max_steps is not None and epochs is not None:
-        raise PretrainError("give max_steps or epochs, not both")
-    check_settings(1.0 if epochs is None else epochs, batch_size, lr, max_length, seed, 1)
-    if not (isinstance(mlm_probability, (int, float)) and 0 < mlm_probability < 1):
-        raise PretrainError(f"mlm_probability must lie strictly between 0 and 1, got {mlm_probability!r}")
-    if max_length < 3:
-        raise PretrainError(f"max_length must be at least 3 ([CLS], a token, [SEP]), got {max_length}")
-    for name, value in (("max_steps", max_steps), ("eval_steps", eval_steps)):
-        if value is not None and not (is_integer(value) and value > 0):
-            raise PretrainError(f"{name} must be a positive integer, got {value!r}")
-    if warmup_steps and warmup_ratio is not None:
-        raise PretrainError("give warmup_steps or warmup_ratio, not both")
-    if not (is_integer(warmup_steps) and warmup_steps >= 0):
-        raise PretrainError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
-    if warmup_ratio is not None and not (isinstance(warmup_ratio, (int, float)) and 0 <= warmup_ratio < 1):
-        raise PretrainError(f"warmup_ratio must lie in [0, 1), got {warmup_ratio!r}")
-    if scheduler not in SCHEDULERS:
-        raise PretrainError(f"unknown scheduler {scheduler!r}; choose from {', '.join(SCHEDULERS)}")
-
-
 def folder_digest(folder) -> dict:
     """The sha256 of each file of a model or tokenizer folder but its card: what a resumed run must find again."""
     return {p.name: sha256(p) for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != "README.md"}
@@ -464,10 +526,10 @@ def resume_point(scratch: Path, resume: bool, force: bool, run: dict) -> str | N
         raise PretrainError(f"{scratch}: no checkpoint to resume from")
     saved = read_json_object(scratch / "run.json", PretrainError)
     settings, saved_settings = run["settings"], saved.get("settings", {})
-    if changed := [key for key in settings if saved_settings.get(key) != settings[key]]:
+    if changed := sorted(key for key in {*settings, *saved_settings} if saved_settings.get(key) != settings.get(key)):
         raise PretrainError(
             f"{scratch}: the interrupted run had {changed[0]}={saved_settings.get(changed[0])!r}, this one "
-            f"{settings[changed[0]]!r}; resume with the same settings"
+            f"{settings.get(changed[0])!r}; resume with the same settings"
         )
     if difference := changed_input(saved.get("inputs", {}), run["inputs"]):
         raise PretrainError(f"{scratch}: {difference}; resume with the same inputs, or start over with --force")
@@ -488,121 +550,63 @@ def resume_point(scratch: Path, resume: bool, force: bool, run: dict) -> str | N
     return str(complete[-1])
 
 
-def pretrain(
-    model=None,
-    config=None,
-    tokenizer=None,
-    train=None,
-    eval=None,
-    output="encoderstack-pretrained",
-    mlm_probability=0.15,
-    whole_word_mask=False,
-    max_length=128,
-    max_steps=None,
-    epochs=None,
-    batch_size=32,
-    lr=1e-4,
-    warmup_steps=0,
-    warmup_ratio=None,
-    scheduler="linear",
-    seed=42,
-    eval_steps=None,
-    resume=False,
-    force=False,
-    train_tokenizer=None,
-    num_proc=None,
-    **training_args,
-) -> dict:
+def pretrain(**settings) -> dict:
     """Masked-LM pre-training of `model` (an EncoderStack or BERT folder, converted on the fly) or of a fresh model
     from `config` (fields as a dict, a JSON file or `key=value,...`) with `tokenizer` (a folder) or a WordPiece
     tokenizer trained on `train` (`train_tokenizer`: its vocabulary size). Evaluates on `eval` (default: a held-out
     tenth of the training documents) before training and every `eval_steps` (default: a quarter of the run), keeps
     the best checkpoint, and writes it to `output` with the tokenizer, `pretrain.json`, `loss.png` and a model card.
+    `settings`: the fields of `PretrainArguments` and of `PretrainTrainingArguments` (every `TrainingArguments`
+    field, e.g. `bf16=True`), or their aliases (`output`, `epochs`, `batch_size`, `lr`, `scheduler`).
 
     Settings, model folder and data are all checked before any model is built (PretrainError, DataError)."""
-    if train is None:
-        raise PretrainError("no training text given (train, --train)")
-    check_pretrain_settings(
-        mlm_probability,
-        max_length,
-        max_steps,
-        epochs,
-        batch_size,
-        lr,
-        warmup_steps,
-        warmup_ratio,
-        scheduler,
-        seed,
-        eval_steps,
-    )
-    try:
-        import datasets  # noqa: F401  (fail before any work, not after it)
-        import matplotlib  # noqa: F401
-    except ImportError as error:
-        raise PretrainError(f"pre-training needs {error.name}: pip install 'encoderstack[pretrain]'") from None
-    if (model is None) == (config is None):
-        raise PretrainError("give a model folder (model, --model) or a fresh model's config (config, --config)")
-    if model is not None and (tokenizer is not None or train_tokenizer is not None):
-        raise PretrainError(f"{model}: continued pre-training uses the model folder's own tokenizer")
-    if model is None and (tokenizer is None) == (train_tokenizer is None):
-        raise PretrainError(
-            "a fresh model (config) needs exactly one of tokenizer (a folder) or train_tokenizer (a vocabulary size)"
-        )
+    ours, trainer_settings = settings_from(settings, PretrainArguments, PretrainTrainingArguments)
+    run = PretrainArguments(**ours)
+    args = PretrainTrainingArguments(**trainer_settings)
+    args.require("pretrain", load_best_model_at_end=True, remove_unused_columns=False)
+    require_matplotlib("pretrain")
     # before any work: no input may lie where the run writes, replaces or deletes
-    destination = OutputFolder(output, force, inputs=[model, config, tokenizer, train, eval], siblings=["checkpoints"])
-    folder_config = model_config(model) if model is not None else None
-    if model is not None:
-        check_weights(model, PretrainError)
-    if tokenizer is not None:
-        check_tokenizer_folder(tokenizer)
-    config = checked_config(config) if config is not None else None
-    check_positions(max_length, folder_config or config)
-    train_files = {f: sha256(f) for f in text_files(train)}
-    eval_files = {f: sha256(f) for f in text_files(eval)} if eval is not None else {}
+    inputs = [run.model, run.config, run.tokenizer, run.train, run.eval]
+    destination = OutputFolder(args.output_dir, run.force, inputs=inputs, siblings=["checkpoints"])
     scratch = destination.sibling("checkpoints")  # until the run has finished: `resume` picks up the last one
-    settings = {
-        "mlm_probability": mlm_probability,
-        "whole_word_mask": whole_word_mask,
-        "max_length": max_length,
-        "max_steps": max_steps,
-        "epochs": epochs,
-        "batch_size": batch_size,
-        "learning_rate": lr,
-        "warmup_steps": warmup_steps,
-        "warmup_ratio": warmup_ratio,
-        "scheduler": scheduler,
-        "seed": seed,
-        "eval_steps": eval_steps,
-    }
-    inputs = run_inputs(model, config, tokenizer, train_tokenizer, train_files, eval_files)
-    checkpoint = resume_point(scratch, resume, force, {"settings": settings, "inputs": inputs})
+    args.output_dir = str(scratch)
+    folder_config = model_config(run.model) if run.model is not None else None
+    if run.model is not None:
+        check_weights(run.model, PretrainError)
+    if run.tokenizer is not None:
+        check_tokenizer_folder(run.tokenizer)
+    config = checked_config(run.config) if run.config is not None else None
+    check_positions(run.max_length, folder_config or config)
+    train_files = {f: sha256(f) for f in text_files(run.train)}
+    eval_files = {f: sha256(f) for f in text_files(run.eval)} if run.eval is not None else {}
+    settings = settings_record(run, args)
+    inputs = run_inputs(run.model, config, run.tokenizer, run.train_tokenizer, train_files, eval_files)
+    checkpoint = resume_point(scratch, run.resume, run.force, {"settings": settings, "inputs": inputs})
     with destination.scratch("data") as cache:  # removed on a terminating signal too, not only on Ctrl-C
         tokenizer, train_set, eval_set, data = prepare_text(
             train_files,
             eval_files,
-            train,
+            run.train,
             Path(cache),
-            model,
-            tokenizer,
-            train_tokenizer,
+            run.model,
+            run.tokenizer,
+            run.train_tokenizer,
             folder_config,
-            max_length,
-            mlm_probability,
-            whole_word_mask,
-            seed,
-            num_proc,
-            eval=eval,
+            run.max_length,
+            run.mlm_probability,
+            run.whole_word_mask,
+            args.seed,
+            run.num_proc,
+            eval=run.eval,
             saved_tokenizer=scratch / "tokenizer" if checkpoint is not None else None,
         )
         record = {
-            "base_model": str(model) if model is not None else None,
+            "base_model": str(run.model) if run.model is not None else None,
             "data": data,
             "settings": settings,
             "inputs": inputs,
         }
-        return train_and_save(
-            model, config, tokenizer, train_set, eval_set, destination, scratch, checkpoint, record, training_args
-        )
+        return train_and_save(run, args, config, tokenizer, train_set, eval_set, destination, checkpoint, record)
 
 
 def check_positions(max_length: int, config: dict) -> None:
@@ -702,47 +706,12 @@ def check_tokens(chunks, files: dict, where) -> None:
         raise DataError(f"{empty[0] if empty else where}: no tokens (the tokenizer turns the text into nothing)")
 
 
-def training_arguments(settings: dict, scratch: Path, **overrides) -> transformers.TrainingArguments:
-    """The Trainer settings of a pre-training run; `overrides` (TrainingArguments fields) replace or add to them."""
-    warmup = settings["warmup_ratio"] if settings["warmup_ratio"] is not None else settings["warmup_steps"]
-    scheduler = settings["scheduler"] + ("_with_warmup" if settings["scheduler"] == "constant" and warmup else "")
-    interval = settings["eval_steps"] or 0.25
-    values = {
-        "output_dir": str(scratch),
-        "max_steps": settings["max_steps"] or -1,
-        "num_train_epochs": settings["epochs"] or 1.0,
-        "per_device_train_batch_size": settings["batch_size"],
-        "per_device_eval_batch_size": settings["batch_size"],
-        "learning_rate": settings["learning_rate"],
-        "warmup_steps": warmup,
-        "lr_scheduler_type": scheduler,
-        "weight_decay": 0.01,
-        "seed": settings["seed"],
-        "eval_strategy": "steps",
-        "eval_steps": interval,
-        "save_strategy": "steps",
-        "save_steps": interval,
-        "logging_steps": 0.05,
-        "logging_first_step": True,
-        "load_best_model_at_end": True,
-        "metric_for_best_model": "mlm_loss",
-        "greater_is_better": False,
-        "save_total_limit": 1,
-        "include_num_input_tokens_seen": True,
-        "remove_unused_columns": False,
-        "report_to": [],
-        "use_cpu": not torch.cuda.is_available(),
-    }
-    try:
-        return transformers.TrainingArguments(**{**values, **overrides})
-    except ValueError as error:
-        raise PretrainError(f"training settings: {' '.join(str(error).split())}") from None
-
-
-def mlm_trainer(network, args, tokenizer, train_set, eval_set, settings: dict, **kwargs) -> transformers.Trainer:
+def mlm_trainer(
+    network, args, tokenizer, train_set, eval_set, mlm_probability: float, whole_word_mask: bool, **kwargs
+) -> transformers.Trainer:
     """A pre-training Trainer: masking each sequence on its own, then flattening; the masked-LM metrics; no progress
     bar (the caller adds its own)."""
-    collator = MaskedFlattening(tokenizer, settings["mlm_probability"], settings["whole_word_mask"], settings["seed"])
+    collator = MaskedFlattening(tokenizer, mlm_probability, whole_word_mask, args.seed)
     trainer = transformers.Trainer(
         model=network,
         args=args,
@@ -759,22 +728,30 @@ def mlm_trainer(network, args, tokenizer, train_set, eval_set, settings: dict, *
     return trainer
 
 
-def train_and_save(
-    model, config, tokenizer, train_set, eval_set, destination, scratch, checkpoint, record, training_args
-) -> dict:
-    settings = record["settings"]
-    args = training_arguments(settings, scratch, **training_args)
-    transformers.set_seed(settings["seed"])
-    network, initialized = starting_model(model, config, tokenizer)
+def train_and_save(run, args, config, tokenizer, train_set, eval_set, destination, checkpoint, record) -> dict:
+    scratch = Path(args.output_dir)
+    transformers.set_seed(args.seed)
+    network, initialized = starting_model(run.model, config, tokenizer)
     if args.should_save and checkpoint is None:  # starting over: an older run's checkpoints must not pass for ours
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True, exist_ok=True)
-        (scratch / "run.json").write_text(json.dumps({"settings": settings, "inputs": record["inputs"]}, indent=2))
+        (scratch / "run.json").write_text(
+            json.dumps({"settings": record["settings"], "inputs": record["inputs"]}, indent=2)
+        )
         tokenizer.save_pretrained(scratch / "tokenizer")  # --resume reuses it: a trained one would come out otherwise
-    trainer = mlm_trainer(network, args, tokenizer, train_set, eval_set, settings, callbacks=[EvaluateAtTheEnd()])
+    # The starting point is scored after training, from a copy on the CPU (as in finetune.train_and_save).
+    starting_weights = cpu_weights(network)
+    trainer = mlm_trainer(
+        network,
+        args,
+        tokenizer,
+        train_set,
+        eval_set,
+        run.mlm_probability,
+        run.whole_word_mask,
+        callbacks=[EvaluateAtTheEnd()],
+    )
     trainer.add_callback(TokensPerSecond())
-    # The starting point is scored after training, on a copy, as in finetune (DDP: see finetune.train_and_save).
-    baseline = copy.deepcopy(network)
     try:
         result = trainer.train(resume_from_checkpoint=checkpoint)
     except BaseException:  # an interrupted run keeps its checkpoints for --resume, if one is complete
@@ -785,8 +762,8 @@ def train_and_save(
     best_step = int(Path(trainer.state.best_model_checkpoint).name.split("-")[-1])
     # the best checkpoint's own evaluation: the eval masking is fixed, so evaluating it again would repeat it exactly
     after = next(entry for entry in history if "eval_mlm_loss" in entry and entry["step"] == best_step)
-    before = mlm_trainer(baseline, args, tokenizer, None, eval_set, settings).evaluate()
-    del baseline
+    before = evaluate_weights(trainer, starting_weights)
+    del starting_weights
     trained_tokens = trainer.state.num_input_tokens_seen
     record = {
         **record,

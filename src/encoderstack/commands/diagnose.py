@@ -8,8 +8,8 @@ import time
 from ..configuration_encoderstack import NORM_PLACEMENTS
 from ..diagnostics.corpus import STDLIB
 from ..diagnostics.report import QUICK, ReportSettings, run_report
-from ..finetune import FinetuneError
 from ..output_folder import OutputFolderError
+from ..training import TrainingError
 from . import non_negative_int, positive_float, positive_int
 
 DEFAULT_OUTPUT = "encoderstack-diagnostics"
@@ -98,7 +98,7 @@ def diagnose_command(args) -> int:
     start = time.perf_counter()
     try:
         folder = run_report(args.out, settings, force=args.force, progress=print)
-    except (OutputFolderError, FinetuneError, ImportError) as error:
+    except (OutputFolderError, TrainingError, ImportError) as error:
         print("encoderstack: error: " + " ".join(str(error).split()), file=sys.stderr)
         return 2
     print(f"wrote {folder / 'index.md'} in {time.perf_counter() - start:.0f} s")

@@ -16,12 +16,12 @@ import transformers
 from ..checkpoint import sha256
 from ..pretrain import (
     EVAL_MASK_SEED,
+    PretrainTrainingArguments,
     mlm_trainer,
     prepare_text,
     starting_model,
     stdlib_corpus,
     text_files,
-    training_arguments,
 )
 from .synthetic import diagnostic_fields
 
@@ -77,22 +77,27 @@ def padded_batch(rows: dict, pad_token_id: int) -> dict:
     }
 
 
-def pretrain_settings(steps: int, lr: float, warmup_steps: int, seed: int) -> dict:
-    """pretrain's settings for a comparison run: a constant learning rate after a linear warm-up, as synthetic runs."""
-    return {
-        "mlm_probability": MLM_PROBABILITY,
-        "whole_word_mask": False,
-        "max_length": MAX_LENGTH,
-        "max_steps": steps,
-        "epochs": None,
-        "batch_size": BATCH_SIZE,
-        "learning_rate": lr,
-        "warmup_steps": warmup_steps,
-        "warmup_ratio": None,
-        "scheduler": "constant",
-        "seed": seed,
-        "eval_steps": None,
-    }
+def pretrain_settings(steps: int, lr: float, warmup_steps: int, seed: int, scratch: Path):
+    """pretrain's Trainer settings for a comparison run: a constant learning rate after a linear warm-up, as the
+    synthetic runs; no checkpoints or evaluations during the run, the loss of every step (NaN/inf kept, not filtered
+    out) and no gradient clipping, which would hide the instability the comparison looks for."""
+    return PretrainTrainingArguments(
+        output_dir=str(scratch),
+        max_steps=steps,
+        per_device_train_batch_size=BATCH_SIZE,
+        per_device_eval_batch_size=BATCH_SIZE,
+        learning_rate=lr,
+        warmup_steps=warmup_steps,
+        lr_scheduler_type="constant",
+        seed=seed,
+        eval_strategy="no",
+        save_strategy="no",
+        load_best_model_at_end=False,
+        logging_steps=1,
+        logging_nan_inf_filter=False,
+        max_grad_norm=0.0,
+        disable_tqdm=True,
+    )
 
 
 class StepLosses(transformers.TrainerCallback):
@@ -108,21 +113,11 @@ class StepLosses(transformers.TrainerCallback):
                 control.should_training_stop = True
 
 
-def comparison_trainer(model, text: CorpusText, settings: dict, scratch: Path, callbacks=()) -> transformers.Trainer:
-    """pretrain's Trainer, except: no checkpoints or evaluations during the run, the loss of every step (NaN/inf kept,
-    not filtered out) and no gradient clipping, which would hide the instability the comparison looks for."""
-    args = training_arguments(
-        settings,
-        scratch,
-        eval_strategy="no",
-        save_strategy="no",
-        load_best_model_at_end=False,
-        logging_steps=1,
-        logging_nan_inf_filter=False,
-        max_grad_norm=0.0,
-        disable_tqdm=True,
+def comparison_trainer(model, text: CorpusText, args, callbacks=()) -> transformers.Trainer:
+    """pretrain's Trainer with the settings of `pretrain_settings`."""
+    return mlm_trainer(
+        model, args, text.tokenizer, text.train_set, text.eval_set, MLM_PROBABILITY, False, callbacks=list(callbacks)
     )
-    return mlm_trainer(model, args, text.tokenizer, text.train_set, text.eval_set, settings, callbacks=list(callbacks))
 
 
 def initial_model(placement: str, num_layers: int, hidden_size: int, text: CorpusText, seed: int):
@@ -138,13 +133,13 @@ def text_trainer(text: CorpusText, steps: int, lr: float, seed: int, scratch: Pa
     def train(model, warmup_steps: int):
         losses = StepLosses()
         trainer = comparison_trainer(
-            copy.deepcopy(model), text, pretrain_settings(steps, lr, warmup_steps, seed), scratch, [losses]
+            copy.deepcopy(model), text, pretrain_settings(steps, lr, warmup_steps, seed, scratch), [losses]
         )
         trainer.train()
         return losses.losses, trainer.model.eval()
 
     def evaluate(model) -> float:
-        trainer = comparison_trainer(model, text, pretrain_settings(steps, lr, 0, seed), scratch)
+        trainer = comparison_trainer(model, text, pretrain_settings(steps, lr, 0, seed, scratch))
         return trainer.evaluate()["eval_mlm_loss"]
 
     return train, evaluate

@@ -1,0 +1,225 @@
+"""What `finetune` and `pretrain` share: their errors; the checks of a model folder, its weights and its tokenizer;
+the Trainer settings both start from (transformers' `TrainingArguments`, every field under its own name, with our
+defaults and the old flag names as aliases); the settings record; the loss plot; and the scoring of the starting
+weights without a second copy of the model on the accelerator."""
+
+import dataclasses
+import json
+import math
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import transformers
+
+from .checkpoint import TOKENIZER_FILES, has_tokenizer
+from .conversion.converter import open_source
+from .conversion.keymap import FAMILIES, ConversionError
+from .conversion.sources import has_hf_weights, require_hf_weights
+from .jsonfile import read_json_object
+
+
+class TrainingError(ValueError):
+    """A training run that cannot start: its settings, its model folder or its data (the message says which)."""
+
+
+class DataError(TrainingError):
+    """Training or evaluation data that cannot be used; the message names the file and the row."""
+
+
+def is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def setting(default, help: str, *aliases: str):
+    """A dataclass field that `HfArgumentParser` turns into `--name` (and `--na-me`) plus `aliases`."""
+    return dataclasses.field(
+        default=default, metadata={"help": help, **({"aliases": list(aliases)} if aliases else {})}
+    )
+
+
+@dataclasses.dataclass
+class CommandTrainingArguments(transformers.TrainingArguments):
+    """`TrainingArguments` as `finetune` and `pretrain` start from them: our defaults where they differ from
+    transformers', the flags the commands had before as aliases, and numbers that would train nothing (or NaN)
+    refused. The output folder is the command's: its checkpoints go to a hidden folder beside it."""
+
+    learning_rate: float = setting(1e-4, "peak learning rate", "--lr")
+    weight_decay: float = setting(0.01, "AdamW weight decay")
+    save_total_limit: int | None = setting(1, "checkpoints kept (the best one always is)")
+    use_cpu: bool | None = setting(None, "train on the CPU (default: when no CUDA device is present)")
+    # Not offered: paths the commands' input checks do not cover (--resume continues a run; the configs of deepspeed,
+    # FSDP and accelerate come from `accelerate launch` instead).
+    resume_from_checkpoint: str | None = dataclasses.field(default=None, init=False)
+    deepspeed: dict | str | None = dataclasses.field(default=None, init=False)
+    fsdp_config: dict | str | None = dataclasses.field(default=None, init=False)
+    accelerator_config: dict | str | None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self):
+        if self.use_cpu is None:
+            self.use_cpu = not torch.cuda.is_available()
+        for name in ("num_train_epochs", "learning_rate"):
+            value = getattr(self, name)
+            if not (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+            ):
+                raise TrainingError(f"{name} must be a positive finite number, got {value!r}")
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            if not (is_integer(getattr(self, name)) and getattr(self, name) > 0):
+                raise TrainingError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not (is_integer(self.seed) and 0 <= self.seed < 2**32):
+            raise TrainingError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        try:
+            super().__post_init__()
+        except ValueError as error:  # an optimizer name, a precision this machine lacks, ...
+            raise TrainingError(f"training settings: {' '.join(str(error).split())}") from None
+
+    def require(self, command: str, **values) -> None:
+        """The fields `command` sets itself (its best checkpoint, its own resume, ...): any other value is refused."""
+        for name, value in values.items():
+            if getattr(self, name) != value:
+                raise TrainingError(f"{name}={getattr(self, name)!r}: {command} needs {value!r} here")
+
+
+def settings_from(values: dict, *types) -> list[dict]:
+    """`values` (keywords named as the fields of the dataclasses `types`, or as their aliases) as one keyword dict per
+    dataclass; an unknown name is refused."""
+    names = {}
+    for kind in types:
+        for field in (field for field in dataclasses.fields(kind) if field.init):
+            for alias in (field.name, *field.metadata.get("aliases", ())):
+                names[alias.lstrip("-").replace("-", "_")] = (kind, field.name)
+    split = {kind: {} for kind in types}
+    for key, value in values.items():
+        if key not in names:
+            raise TrainingError(f"unknown setting {key!r}")
+        kind, name = names[key]
+        split[kind][name] = value
+    return [split[kind] for kind in types]
+
+
+UNRECORDED = {"output_dir", "local_rank", "hub_token", "use_cpu"}  # where, which process, a secret, which machine
+
+
+def settings_record(settings, training: transformers.TrainingArguments) -> dict:
+    """The run's settings, by content (as JSON gives them back): the command's own (its paths and switches aside)
+    and every `TrainingArguments` field but where the run writes, which process it is, a token and the machine's."""
+    record = {k: v for k, v in dataclasses.asdict(settings).items() if k not in settings.RUN_ONLY}
+    record |= {k: v for k, v in training.to_dict().items() if k not in UNRECORDED}
+    return json.loads(json.dumps(record, default=str))
+
+
+@contextmanager
+def datasets_offline(progress: bool = True):
+    """`datasets`, loading only what is local, quiet about the errors it re-raises (ours name the file), and without
+    progress bars unless `progress`."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # everything here is local; never let datasets look online
+    import datasets
+
+    verbosity, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    if not progress:
+        datasets.disable_progress_bars()
+    try:
+        yield datasets
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def model_config(model) -> dict:
+    """The config.json of an EncoderStack or BERT folder that has a tokenizer: checked before anything is loaded."""
+    folder = Path(model)
+    if not folder.is_dir():
+        raise TrainingError(f"{folder}: no such model folder")
+    config = read_json_object(folder / "config.json", TrainingError)
+    if config.get("model_type") != "encoderstack" and config.get("model_type") not in FAMILIES:
+        raise TrainingError(
+            f"{folder / 'config.json'}: model_type {config.get('model_type')!r} is not an EncoderStack or BERT model"
+        )
+    if not has_tokenizer(folder):
+        raise TrainingError(
+            f"{folder}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); training takes the tokenizer from the model"
+        )
+    return config
+
+
+def check_weights(model, error: type[Exception] = TrainingError) -> None:
+    """A model folder whose weights are missing or do not read fails here, before any data is read (transformers
+    would fail after loading it), with convert's own message as the command's error."""
+    folder = Path(model)
+    try:
+        if has_hf_weights(folder):
+            require_hf_weights(folder).close()
+        else:  # a BERT folder may hold a TensorFlow checkpoint instead: from_pretrained converts it
+            open_source(folder).tensors.close()
+    except ConversionError as error_in_weights:
+        raise error(str(error_in_weights)) from None
+
+
+def load_tokenizer(model, config):
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as error:
+        raise TrainingError(f"{model}: the tokenizer does not load ({' '.join(str(error).split())})") from None
+    if len(tokenizer) > config.get("vocab_size", len(tokenizer)):
+        raise TrainingError(
+            f"{model}: the tokenizer has {len(tokenizer)} tokens but the model only "
+            f"{config['vocab_size']} embeddings (vocab_size in config.json)"
+        )
+    return tokenizer
+
+
+def require_matplotlib(extra: str) -> None:
+    try:
+        import matplotlib  # noqa: F401  (fail before training, not after it)
+    except ImportError:
+        raise TrainingError(f"the loss plot needs matplotlib: pip install 'encoderstack[{extra}]'") from None
+
+
+def cpu_weights(model) -> dict:
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}
+
+
+def evaluate_weights(trainer: transformers.Trainer, weights: dict) -> dict:
+    """`trainer.evaluate()` of `weights` (a state dict on the CPU) loaded into the trainer's own model in place, its
+    weights put back after: the starting point is scored without a second copy of the model on the accelerator."""
+    current = cpu_weights(trainer.model)
+    trainer.model.load_state_dict(weights)
+    try:
+        return trainer.evaluate()
+    finally:
+        trainer.model.load_state_dict(current)
+
+
+def plot_losses(
+    log_history: list[dict],
+    path: Path,
+    title: str = "Fine-tuning loss",
+    eval_key: str = "eval_loss",
+    learning_rate: bool = False,
+) -> None:
+    """Training and evaluation loss against steps, and with `learning_rate` the schedule on a second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 3.5), dpi=100)
+    for key, label in (("loss", "training"), (eval_key, "evaluation")):
+        points = [(entry["step"], entry[key]) for entry in log_history if key in entry]
+        if points:
+            axes.plot(*zip(*points), marker="o" if key == eval_key else None, label=label)
+    axes.set(xlabel="step", ylabel="loss", title=title)
+    axes.legend(loc="upper right")
+    rates = [(entry["step"], entry["learning_rate"]) for entry in log_history if "learning_rate" in entry]
+    if learning_rate and rates:
+        schedule = axes.twinx()
+        schedule.plot(*zip(*rates), color="grey", linestyle=":", label="learning rate")
+        schedule.set_ylabel("learning rate")
+        schedule.legend(loc="center right")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
