@@ -122,6 +122,45 @@ def test_attention_dropout_never_changes_the_kind_of_plan_and_says_so_where_it_c
             assert "attention dropout" in with_dropout.reason, cell
 
 
+def test_a_block_diagonal_mask_is_planned_only_for_flattened_rows_that_cannot_pack_and_says_if_it_is_dense():
+    """Flattened rows get one mask only where no packed path may run (packing off, recorded outputs, compiling) and
+    no flash path exists; the reason (logged for every forward) says when that mask is a dense tokens x tokens one."""
+    flags = ("padding_free", "recording", "compiling", "attention_dropout")
+    grid = itertools.product(
+        (CPU, H100),
+        (FP32, BF16),
+        INPUT_KINDS,
+        ("sdpa", "eager", "flex_attention", "flash_attention_2"),
+        *[(False, True)] * 4,
+    )
+    for device, dtype, inputs, backend, *values in grid:
+        plan = decide_plan(facts(device, dtype, inputs, backend, **dict(zip(flags, values))))
+        padding_free, recording, compiling, _ = values
+        cannot_pack = not padding_free or recording or compiling
+        expected = inputs == "flattened" and cannot_pack and not backend.startswith("flash")
+        assert (plan.kind == "block_diagonal") == expected, plan.facts
+        if expected:
+            assert ("dense (tokens x tokens)" in plan.reason) == (backend != "flex_attention"), plan.reason
+
+
+@pytest.fixture
+def plan_log(caplog):
+    """The model's debug log (transformers' loggers do not propagate below their own level)."""
+    encoder_logger = logging.getLogger("encoderstack.modeling_encoderstack")
+    encoder_logger.setLevel(logging.DEBUG)
+    with caplog.at_level(logging.DEBUG, logger=encoder_logger.name):
+        yield caplog
+    encoder_logger.setLevel(logging.NOTSET)
+
+
+def test_flattened_rows_that_cannot_pack_log_their_dense_mask(plan_log):
+    model = build(EncoderStackModel, attn_implementation="sdpa")
+    with torch.no_grad():
+        model(**flattened(sequences()), padding_free=False)
+    dense = "block_diagonal through sdpa: padding_free is off: flattened rows get a dense (tokens x tokens)"
+    assert dense in plan_log.text
+
+
 def attention_probabilities(query, key, lengths, scale):
     """(heads, n, n) softmax probabilities of each packed sequence alone."""
     bounds = [0, *itertools.accumulate(lengths)]
@@ -186,7 +225,7 @@ def test_the_model_plans_with_autocasts_dtype_not_the_weights(monkeypatch):
         assert model.execution_plan(**inputs).facts.dtype == torch.bfloat16
 
 
-def test_the_model_exposes_the_plan_its_forward_obeys_and_logs_it(caplog, monkeypatch):
+def test_the_model_exposes_the_plan_its_forward_obeys_and_logs_it(plan_log, monkeypatch):
     model = build(EncoderStackModel, attn_implementation="sdpa")
     inputs = padded(sequences())
     plan = model.execution_plan(**inputs)
@@ -198,15 +237,10 @@ def test_the_model_exposes_the_plan_its_forward_obeys_and_logs_it(caplog, monkey
         "encoderstack_per_sequence",
         lambda *args, **kwargs: used.append(1) or original(*args, **kwargs),
     )
-    transformers_logger = logging.getLogger("encoderstack.modeling_encoderstack")
-    transformers_logger.setLevel(logging.DEBUG)
-    try:
-        with caplog.at_level(logging.DEBUG, logger="encoderstack.modeling_encoderstack"), torch.no_grad():
-            model(**inputs)
-    finally:
-        transformers_logger.setLevel(logging.NOTSET)
+    with torch.no_grad():
+        model(**inputs)
     assert len(used) == model.config.num_hidden_layers
-    assert "execution plan: per_sequence through encoderstack_per_sequence" in caplog.text
+    assert "execution plan: per_sequence through encoderstack_per_sequence" in plan_log.text
 
 
 def test_an_older_varlen_attn_without_scale_is_called_without_it():

@@ -343,7 +343,8 @@ def decide_plan(facts: PlanFacts) -> ExecutionPlan:
     if off:
         if facts.inputs == "padded":
             return plan("padded", f"{off[0]}: the padded batch")
-        return plan("block_diagonal", f"{off[0]}: flattened rows get a dense block-diagonal mask")
+        mask = "a block-sparse" if facts.backend == "flex_attention" else "a dense (tokens x tokens)"
+        return plan("block_diagonal", f"{off[0]}: flattened rows get {mask} block-diagonal mask")
     missing = flash_missing(facts)
     if missing is None and facts.varlen_kernel and not facts.attention_dropout:
         return plan("varlen", "torch's varlen_attn: one call per layer", VARLEN_ATTENTION)
