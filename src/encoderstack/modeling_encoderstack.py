@@ -947,16 +947,6 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
                 )
             if not fits:
                 raise ValueError(f"`{name}` has shape {tuple(value.shape)}, but the inputs have shape {shape}.")
-        if (
-            attention_mask is not None
-            and attention_mask.dim() == 2
-            and not torch.compiler.is_compiling()
-            and not ((attention_mask == 0) | (attention_mask == 1)).all()
-        ):
-            raise ValueError(
-                f"`attention_mask` must hold 1 for real tokens and 0 for padding, got values "
-                f"{sorted(set(attention_mask.unique().tolist()))}."
-            )
         limit = self.config.max_position_embeddings
         if self.config.position_embedding_type == "absolute" and position_ids is None and shape[1] > limit:
             raise ValueError(
@@ -971,11 +961,21 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         if self.config.position_embedding_type == "absolute":
             ranges.append(("position_ids", position_ids, limit))
         ranges = [(name, ids, size) for name, ids, size in ranges if ids is not None and ids.numel()]
-        if not ranges:
+        bounds = [torch.stack((ids.min(), ids.max())).long() for _, ids, _ in ranges]
+        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        if mask is not None:  # its values other than 0 and 1, counted, and read in the same sync as the ranges
+            not_binary = ((mask != 0) & (mask != 1)).sum()
+            bounds.append(torch.stack((not_binary, torch.zeros_like(not_binary))))
+        if not bounds:
             return
-        device = ranges[0][1].device
-        bounds = torch.stack([torch.stack((ids.min(), ids.max())).to(device) for _, ids, _ in ranges]).tolist()
-        for (name, _, size), (low, high) in zip(ranges, bounds):  # one host sync for all of them
+        device = bounds[0].device
+        read = torch.stack([b.to(device) for b in bounds]).tolist()  # one host sync for all of them
+        if mask is not None and read[-1][0]:
+            raise ValueError(
+                f"`attention_mask` must hold 1 for real tokens and 0 for padding, got values "
+                f"{sorted(set(mask.unique().tolist()))}."
+            )
+        for (name, _, size), (low, high) in zip(ranges, read):
             if low < 0 or high >= size:
                 raise ValueError(f"`{name}` must lie in [0, {size - 1}], got values from {low} to {high}.")
 
