@@ -26,15 +26,11 @@ import common
 import torch
 from common import encoderstack, transformers
 
-HEADS = (
-    encoderstack.EncoderStackModel,
-    encoderstack.EncoderStackForMaskedLM,
-    encoderstack.EncoderStackForPreTraining,
-    encoderstack.EncoderStackForSequenceClassification,
-    encoderstack.EncoderStackForTokenClassification,
-    encoderstack.EncoderStackForQuestionAnswering,
-    encoderstack.EncoderStackForMultipleChoice,
-)
+from encoderstack.modeling_encoderstack import AUTO_MAP
+
+HEADS = [  # every class the Auto classes map, the bare model first
+    getattr(encoderstack, path.rpartition(".")[2]) for auto, path in AUTO_MAP.items() if auto != "AutoConfig"
+]
 DTYPES = ("float32", "bfloat16", "float16", "float32 + bf16 autocast")
 SIZES = ["--models", "minilm,bert-base", "--sizes", "32x128,8x512"]
 BENCHMARKS = {  # script -> its arguments on the GPU; flex last: it compiles every shape
@@ -99,21 +95,21 @@ def plan_table(args):
         model = encoderstack.EncoderStackForMaskedLM(config(args.smoke, attention_probs_dropout_prob=0.1))
         model = model.to(args.device, weights)
         for backend in backends if dtype_name != "float32" else ["sdpa", "eager"]:  # flash takes 16 bits only
+            common.with_backend(model, backend)
             for mode in ("eval", "train"):
                 model.train(mode == "train")
                 for kind, inputs in batches(args.device).items():
                     with autocast:
-                        plan, ran = run_once(model, backend, inputs, mode == "train")
+                        plan, ran = run_once(model, inputs, mode == "train")
                     rows.append([dtype_name, backend, mode, kind, plan.kind, plan.attention, ran, plan.reason])
     common.print_table(rows, ["dtype", "backend", "mode", "input", "plan", "attention", "ran", "reason"])
     return all(row[6] == "ok" for row in rows)
 
 
-def run_once(model, backend, inputs, training):
+def run_once(model, inputs, training):
     """The plan, and one forward (and backward in training) on it: 'ok', or the error's first line."""
     plan = SimpleNamespace(kind="-", attention="-", reason="-")
     try:
-        common.with_backend(model, backend)
         plan = model.model.execution_plan(**inputs)
         with torch.set_grad_enabled(training):
             logits = model(**inputs).logits

@@ -289,6 +289,11 @@ class ExecutionPlan:
     kernel call per layer), "per_sequence" (packed, attention one sequence at a time: the CPU path) or
     "block_diagonal" (flattened rows with one dense mask: only where packing is off). `attention` is the name of the
     attention function in transformers' `AttentionInterface`; `packing` describes the packed or flattened sequences.
+
+    Flattened rows without a flash kernel run one sequence at a time rather than through flex attention's document
+    mask: on CPU flex has no backward, eager flex materializes every score (45-124x slower than per-sequence), and
+    compiled flex was 4.5x slower where inductor could build it at all (docs/benchmarks/flex-document-mask-1thread.txt).
+    On CUDA that comparison has not been measured (benchmarks/gpu_check.py runs it).
     """
 
     kind: str
