@@ -18,6 +18,19 @@ from encoderstack.modeling_encoderstack import PackedSequences, per_sequence_att
 HEAD_SHAPES = {"minilm": (12, 32), "bert-base": (12, 64)}  # heads, head_dim
 
 
+def head_shape(spec):
+    """(heads, head_dim) of a --models entry."""
+    if isinstance(spec, str):
+        return HEAD_SHAPES[spec]
+    return spec["num_attention_heads"], spec["hidden_size"] // spec["num_attention_heads"]
+
+
+def uniform_lengths(seed, batch_size, max_length):
+    """Real-token counts uniform in [max/8, max], seeded by the cell."""
+    rng = random.Random(f"{seed}-{batch_size}-{max_length}")
+    return common.lengths_for("uniform", batch_size, max_length, rng, None)
+
+
 def per_sequence(packing, query, key, value):
     """What the model runs on CPU: `per_sequence_attention` over transformers' SDPA function, given the packing's
     kwargs; (1, heads, tokens, head_dim) in, (1, tokens, heads, head_dim) out."""
@@ -47,14 +60,9 @@ def main():
     common.header("attention on packed tokens", args.device)
     rows = []
     for name in common.parse_models(args.models):
-        heads, head_dim = (
-            HEAD_SHAPES[name]
-            if isinstance(name, str)
-            else (name["num_attention_heads"], name["hidden_size"] // name["num_attention_heads"])
-        )
+        heads, head_dim = head_shape(name)
         for batch_size, max_length in common.parse_sizes(args.sizes):
-            rng = random.Random(f"{args.seed}-{batch_size}-{max_length}")
-            lengths = common.lengths_for("uniform", batch_size, max_length, rng, None)
+            lengths = uniform_lengths(args.seed, batch_size, max_length)
             real = (torch.arange(max_length)[None] < torch.tensor(lengths)[:, None]).to(args.device)
             packing = PackedSequences.from_attention_mask(real, lengths)
             ids = torch.arange(len(lengths), device=args.device).repeat_interleave(

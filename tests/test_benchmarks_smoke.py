@@ -26,6 +26,7 @@ RUNS = {
     "training.py": [*ONE_ROUND, "--sizes", "2x16", "--peak-size", "64"],
     "convert.py": [*ONE_ROUND, "--clock", "cpu"],
     "attention.py": [*ONE_ROUND, "--sizes", "2x16"],
+    "flex.py": [*ONE_ROUND, "--sizes", "2x16"],
     "onnx.py": [*ONE_ROUND, "--sizes", "2x16"],
     "sparse_mlm.py": [*ONE_ROUND, "--sizes", "2x16"],
     # real text: the tokenizer's ids need the real vocabulary
@@ -59,3 +60,23 @@ def test_the_benchmark_runs_on_a_tiny_model_and_prints_its_table_and_the_command
     lines = result.stdout.splitlines()
     assert any(line.startswith("model ") for line in lines), result.stdout
     assert lines[-1].startswith(f"reproduce: python benchmarks/{script} --models"), lines[-1]
+
+
+def run_gpu_check(*arguments):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "benchmarks/gpu_check.py", "--smoke", *arguments]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def test_the_gpu_check_runs_every_section_in_its_cpu_smoke_mode_and_passes():
+    result = run_gpu_check()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for section in ("## plan table", "## bf16 parity", "## host syncs", "## benchmarks"):
+        assert section in result.stdout
+    assert result.stdout.rstrip().endswith("all passed")
+
+
+def test_the_gpu_check_stops_at_its_time_guard():
+    result = run_gpu_check("--budget", "1")
+    assert result.returncode == 1
+    assert "stopped by the time guard" in result.stdout and "FAILED: time guard" in result.stdout

@@ -2,16 +2,27 @@
 asserted on CPU), the plan that `forward` obeys, and torch's real `varlen_attn` run on CPU through kernels
 registered for its ops that check what the CUDA kernels check."""
 
+import dataclasses
+import itertools
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nested._internal.sdpa
 from conftest import build
 from test_packed_sequences import attend_each, flattened, padded, sequences
+from torch.nn.attention import SDPBackend
 
 import encoderstack
 from encoderstack import EncoderStackModel, modeling_encoderstack
-from encoderstack.modeling_encoderstack import PlanFacts, decide_plan
+from encoderstack.modeling_encoderstack import (
+    INPUT_KINDS,
+    PackedSequences,
+    PlanFacts,
+    decide_plan,
+    per_sequence_attention,
+)
 
 BF16, FP32, FP16 = torch.bfloat16, torch.float32, torch.float16
 CPU, H100, T4 = ("cpu", None), ("cuda", (9, 0)), ("cuda", (7, 5))
@@ -51,11 +62,25 @@ PLAN_TABLE = [
     ((H100, FP16, "flattened", {}), ("varlen", "encoderstack_varlen")),
     ((H100, FP32, "padded", {}), ("padded", "sdpa")),
     ((H100, FP32, "flattened", {}), ("per_sequence", "encoderstack_per_sequence")),
-    ((H100, BF16, "padded", {"attention_dropout": True}), ("padded", "sdpa")),
-    ((H100, BF16, "flattened", {"attention_dropout": True}), ("per_sequence", "encoderstack_per_sequence")),
+    ((CPU, FP32, "padded", {"attention_dropout": True}), ("per_sequence", "encoderstack_per_sequence")),
+    ((CPU, BF16, "flattened", {"attention_dropout": True}), ("per_sequence", "encoderstack_per_sequence")),
+    ((CPU, FP32, "flattened", {"attention_dropout": True, "padding_free": False}), ("block_diagonal", "sdpa")),
+    ((H100, BF16, "padded", {"attention_dropout": True}), ("varlen", "encoderstack_nested")),
+    ((H100, FP16, "flattened", {"attention_dropout": True}), ("varlen", "encoderstack_nested")),
+    ((H100, FP32, "padded", {"attention_dropout": True}), ("padded", "sdpa")),
+    ((H100, FP32, "flattened", {"attention_dropout": True}), ("per_sequence", "encoderstack_per_sequence")),
+    ((H100, BF16, "padded", {"attention_dropout": True, "head_dim": 12}), ("padded", "sdpa")),
+    ((H100, BF16, "whole", {"attention_dropout": True}), ("padded", "sdpa")),
+    ((T4, FP16, "padded", {"attention_dropout": True}), ("padded", "sdpa")),
+    ((T4, FP16, "flattened", {"attention_dropout": True}), ("per_sequence", "encoderstack_per_sequence")),
+    (
+        (H100, BF16, "padded", {"attention_dropout": True, "backend": "flash_attention_2"}),
+        ("varlen", "flash_attention_2"),
+    ),
     ((H100, BF16, "padded", {"head_dim": 12}), ("padded", "sdpa")),
     ((H100, BF16, "padded", {"head_dim": 512}), ("padded", "sdpa")),
-    ((H100, BF16, "padded", {"varlen_kernel": False}), ("padded", "sdpa")),
+    ((H100, BF16, "padded", {"varlen_kernel": False}), ("varlen", "encoderstack_nested")),
+    ((H100, BF16, "padded", {"varlen_kernel": False, "attention_dropout": True}), ("varlen", "encoderstack_nested")),
     ((H100, BF16, "padded", {"backend": "eager"}), ("padded", "eager")),
     ((H100, BF16, "padded", {"recording": True}), ("padded", "sdpa")),
     ((T4, FP16, "padded", {}), ("padded", "sdpa")),
@@ -83,6 +108,107 @@ def test_the_plan_for_every_cell_of_the_table(cell, expected):
     assert (plan.kind, plan.attention) == expected, plan.reason
 
 
+def test_attention_dropout_never_changes_the_kind_of_plan_and_says_so_where_it_changes_the_kernel():
+    """No setting may switch to a slower plan silently: with dropout every cell keeps its kind, and where the
+    attention function changes (varlen_attn has no dropout), the reason names the dropout."""
+    grid = itertools.product(
+        (CPU, H100, T4), (FP32, BF16, FP16), INPUT_KINDS, ("sdpa", "eager", "flash_attention_2"), (8, 12, 64)
+    )
+    for device, dtype, inputs, backend, head_dim in grid:
+        cell = facts(device, dtype, inputs, backend, head_dim=head_dim)
+        without, with_dropout = decide_plan(cell), decide_plan(dataclasses.replace(cell, attention_dropout=True))
+        assert with_dropout.kind == without.kind, cell
+        if with_dropout.attention != without.attention:
+            assert "attention dropout" in with_dropout.reason, cell
+
+
+def test_a_block_diagonal_mask_is_planned_only_for_flattened_rows_that_cannot_pack_and_says_if_it_is_dense():
+    """Flattened rows get one mask only where no packed path may run (packing off, recorded outputs, compiling) and
+    no flash path exists; the reason (logged for every forward) says when that mask is a dense tokens x tokens one."""
+    flags = ("padding_free", "recording", "compiling", "attention_dropout")
+    grid = itertools.product(
+        (CPU, H100),
+        (FP32, BF16),
+        INPUT_KINDS,
+        ("sdpa", "eager", "flex_attention", "flash_attention_2"),
+        *[(False, True)] * 4,
+    )
+    for device, dtype, inputs, backend, *values in grid:
+        plan = decide_plan(facts(device, dtype, inputs, backend, **dict(zip(flags, values))))
+        padding_free, recording, compiling, _ = values
+        cannot_pack = not padding_free or recording or compiling
+        expected = inputs == "flattened" and cannot_pack and not backend.startswith("flash")
+        assert (plan.kind == "block_diagonal") == expected, plan.facts
+        if expected:
+            assert ("dense (tokens x tokens)" in plan.reason) == (backend != "flex_attention"), plan.reason
+
+
+@pytest.fixture
+def plan_log(caplog):
+    """The model's debug log (transformers' loggers do not propagate below their own level)."""
+    encoder_logger = logging.getLogger("encoderstack.modeling_encoderstack")
+    encoder_logger.setLevel(logging.DEBUG)
+    with caplog.at_level(logging.DEBUG, logger=encoder_logger.name):
+        yield caplog
+    encoder_logger.setLevel(logging.NOTSET)
+
+
+def test_flattened_rows_that_cannot_pack_log_their_dense_mask(plan_log):
+    model = build(EncoderStackModel, attn_implementation="sdpa")
+    with torch.no_grad():
+        model(**flattened(sequences()), padding_free=False)
+    dense = "block_diagonal through sdpa: padding_free is off: flattened rows get a dense (tokens x tokens)"
+    assert dense in plan_log.text
+
+
+def attention_probabilities(query, key, lengths, scale):
+    """(heads, n, n) softmax probabilities of each packed sequence alone."""
+    bounds = [0, *itertools.accumulate(lengths)]
+    return [
+        torch.softmax(scale * query[0, :, a:b] @ key[0, :, a:b].transpose(-1, -2), dim=-1)
+        for a, b in zip(bounds, bounds[1:])
+    ]
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_the_per_sequence_path_drops_the_configured_share_of_attention_probabilities(backend):
+    """Each key's value is its one-hot position, so the output rows are the (dropped) probabilities themselves."""
+    lengths, heads, share = [12, 30, 7, 23], 4, 0.25
+    width = max(lengths)
+    torch.manual_seed(0)
+    query, key = torch.randn(2, 1, heads, sum(lengths), width)
+    value = torch.cat([torch.eye(width)[:n] for n in lengths]).expand(1, heads, -1, -1)
+    module = SimpleNamespace(config=SimpleNamespace(_attn_implementation=backend), is_causal=False, training=True)
+    kwargs = PackedSequences(lengths, (1, sum(lengths)), "cpu").attention_kwargs()
+    scale = width**-0.5
+    rows, _ = per_sequence_attention(module, query, key, value, None, scaling=scale, dropout=share, **kwargs)
+    dropped = rows[0].transpose(0, 1).split(lengths, dim=1)  # (heads, n, width) each
+    kept_count = total = 0
+    for probabilities, got, n in zip(attention_probabilities(query, key, lengths, scale), dropped, lengths):
+        assert not got[..., n:].any(), "no probability may reach another sequence"
+        kept = got[..., :n] != 0
+        torch.testing.assert_close(got[..., :n][kept], probabilities[kept] / (1 - share))
+        kept_count, total = kept_count + int(kept.sum()), total + kept.numel()
+    assert abs(1 - kept_count / total - share) < 0.02  # 6488 probabilities: 0.02 is about 4 standard deviations
+
+
+def test_in_training_attention_dropout_changes_the_packed_outputs_and_nothing_else_does():
+    seqs = sequences()
+    inputs = padded(seqs)
+    real = inputs["attention_mask"].bool()
+    outputs = {}
+    for share in (0.0, 0.3):
+        model = build(EncoderStackModel, attention_probs_dropout_prob=share)
+        with torch.no_grad():
+            expected = model(**inputs).last_hidden_state[real]
+            model.train()
+            assert model.execution_plan(**inputs).kind == "per_sequence"
+            outputs[share] = model(**inputs).last_hidden_state[real]
+        if share == 0.0:
+            torch.testing.assert_close(outputs[share], expected)
+    assert not torch.allclose(outputs[0.3], expected, atol=1e-3)
+
+
 def test_a_plan_is_immutable_and_says_why():
     plan = decide_plan(facts(H100, FP32, "padded"))
     with pytest.raises(AttributeError):
@@ -99,7 +225,7 @@ def test_the_model_plans_with_autocasts_dtype_not_the_weights(monkeypatch):
         assert model.execution_plan(**inputs).facts.dtype == torch.bfloat16
 
 
-def test_the_model_exposes_the_plan_its_forward_obeys_and_logs_it(caplog, monkeypatch):
+def test_the_model_exposes_the_plan_its_forward_obeys_and_logs_it(plan_log, monkeypatch):
     model = build(EncoderStackModel, attn_implementation="sdpa")
     inputs = padded(sequences())
     plan = model.execution_plan(**inputs)
@@ -111,15 +237,10 @@ def test_the_model_exposes_the_plan_its_forward_obeys_and_logs_it(caplog, monkey
         "encoderstack_per_sequence",
         lambda *args, **kwargs: used.append(1) or original(*args, **kwargs),
     )
-    transformers_logger = logging.getLogger("encoderstack.modeling_encoderstack")
-    transformers_logger.setLevel(logging.DEBUG)
-    try:
-        with caplog.at_level(logging.DEBUG, logger="encoderstack.modeling_encoderstack"), torch.no_grad():
-            model(**inputs)
-    finally:
-        transformers_logger.setLevel(logging.NOTSET)
+    with torch.no_grad():
+        model(**inputs)
     assert len(used) == model.config.num_hidden_layers
-    assert "execution plan: per_sequence through encoderstack_per_sequence" in caplog.text
+    assert "execution plan: per_sequence through encoderstack_per_sequence" in plan_log.text
 
 
 def test_an_older_varlen_attn_without_scale_is_called_without_it():
@@ -215,17 +336,75 @@ def test_torchs_real_varlen_attn_runs_once_per_layer_under_bf16_autocast_forward
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert model.model.execution_plan(**inputs).kind == "varlen"
         out = model(**inputs, labels=labels)
-    out.loss.backward()
+    assert_same_loss_and_gradients_as_the_padded_batch(model, inputs, labels, out)
     layers = model.config.num_hidden_layers
     assert varlen_on_cpu == ["forward"] * layers + ["backward"] * layers
+
+
+def assert_same_loss_and_gradients_as_the_padded_batch(model, inputs, labels, out):
+    """`out` (a bf16-autocast forward): its loss and gradients against the padded batch's, without dropout."""
+    out.loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
+    model.eval()  # the stand-in kernels drop nothing: the reference drops nothing either
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = model(**inputs, labels=labels, padding_free=False)
     expected.loss.backward()
     torch.testing.assert_close(out.loss, expected.loss, atol=2e-2, rtol=0)
     for name, p in model.named_parameters():  # bfloat16 keeps 8 bits: 2% of the gradient's size
         assert (grads[name] - p.grad).norm() <= 0.02 * p.grad.norm() + 1e-6, name
+
+
+def flash_forward_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p, causal, debug, **kwargs):
+    """aten::_flash_attention_forward's contract; records the dropout it is given and drops nothing."""
+    check_flash_contract(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+    KERNEL_CALLS.append(("forward", dropout_p))
+    out = attend_each(query, key, value, cu_seq_q, kwargs.get("scale")).to(query.dtype)
+    lse = torch.zeros(query.shape[1], query.shape[0], dtype=torch.float)
+    return out, lse, torch.zeros(2, dtype=torch.uint64), torch.empty(0), torch.empty(0)
+
+
+def flash_backward_kernel(grad, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p, *rest, **kw):
+    check_flash_contract(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+    KERNEL_CALLS.append(("backward", dropout_p))
+    scale = query.shape[-1] ** -0.5 if kw.get("scale") is None else kw["scale"]
+    bounds = cu_seq_q.tolist()
+    grads = [
+        attention_backward(grad[a:b], *(x[a:b] for x in (query, key, value)), scale) for a, b in zip(bounds, bounds[1:])
+    ]
+    return tuple(torch.cat(parts).to(query.dtype) for parts in zip(*grads))
+
+
+@pytest.fixture
+def nested_flash_on_cpu(monkeypatch):
+    """SDPA over nested jagged tensors runs here as on an sm90 device: it picks the flash kernel, whose aten ops get
+    the CPU kernels above."""
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("_flash_attention_forward", flash_forward_kernel, "CPU")
+    library.impl("_flash_attention_backward", flash_backward_kernel, "CPU")
+    monkeypatch.setattr(torch.nested._internal.sdpa, "_select_sdp_backend", lambda *args: SDPBackend.FLASH_ATTENTION)
+    monkeypatch.setattr(modeling_encoderstack, "cuda_capability", lambda device: (9, 0))
+    KERNEL_CALLS.clear()
+    yield KERNEL_CALLS
+    library._destroy()
+
+
+@pytest.mark.parametrize("route", ["padded", "flattened"])
+def test_attention_dropout_reaches_one_flash_call_per_layer_through_nested_sdpa_forward_and_backward(
+    route, nested_flash_on_cpu
+):
+    model = build(encoderstack.EncoderStackForMaskedLM, attention_probs_dropout_prob=0.1).train()
+    seqs = sequences()
+    inputs = padded(seqs) if route == "padded" else flattened(seqs)
+    labels = torch.where(torch.rand(inputs["input_ids"].shape) < 0.5, inputs["input_ids"], -100)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = model.model.execution_plan(**inputs)
+        assert (plan.kind, plan.attention) == ("varlen", "encoderstack_nested"), plan.reason
+        out = model(**inputs, labels=labels)
+    layers = model.config.num_hidden_layers
+    assert nested_flash_on_cpu == [("forward", 0.1)] * layers
+    assert_same_loss_and_gradients_as_the_padded_batch(model, inputs, labels, out)
+    assert nested_flash_on_cpu == [("forward", 0.1)] * layers + [("backward", 0.1)] * layers
 
 
 class HostSyncs(torch.overrides.TorchFunctionMode):
@@ -245,12 +424,12 @@ class HostSyncs(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_padded_masked_lm_training_step_makes_five_host_syncs():
-    """The plan's lengths, the labelled tokens of sparse prediction, and one each to check the mask's values, the ids'
-    ranges and the labels' range; none per layer, none per loss term."""
+def test_a_padded_masked_lm_training_step_makes_four_host_syncs():
+    """The plan's lengths, the labelled tokens of sparse prediction, one to check the mask's values and the ids'
+    ranges together, and one for the labels' range; none per layer, none per loss term."""
     model = build(encoderstack.EncoderStackForMaskedLM, num_hidden_layers=4).train()
     inputs = padded(sequences())
     labels = torch.where(torch.rand(inputs["input_ids"].shape) < 0.3, inputs["input_ids"], -100)
     with HostSyncs() as syncs:
         model(**inputs, labels=labels).loss.backward()
-    assert syncs.count == 5
+    assert syncs.count == 4

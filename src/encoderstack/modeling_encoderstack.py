@@ -289,6 +289,11 @@ class ExecutionPlan:
     kernel call per layer), "per_sequence" (packed, attention one sequence at a time: the CPU path) or
     "block_diagonal" (flattened rows with one dense mask: only where packing is off). `attention` is the name of the
     attention function in transformers' `AttentionInterface`; `packing` describes the packed or flattened sequences.
+
+    Flattened rows without a flash kernel run one sequence at a time rather than through flex attention's document
+    mask: on CPU flex has no backward, eager flex materializes every score (45-124x slower than per-sequence), and
+    compiled flex was 4.5x slower where inductor could build it at all (docs/benchmarks/flex-document-mask-1thread.txt).
+    On CUDA that comparison has not been measured (benchmarks/gpu_check.py runs it).
     """
 
     kind: str
@@ -303,11 +308,11 @@ class ExecutionPlan:
         return self.kind in ("varlen", "per_sequence")
 
 
-def varlen_attn_missing(facts: PlanFacts) -> str | None:
-    """Why torch's `varlen_attn` (a flash kernel, no dropout) cannot run here; None when it can."""
+def flash_missing(facts: PlanFacts) -> str | None:
+    """Why no flash kernel (torch's `varlen_attn`, or SDPA's flash kernel under nested tensors) can run here; None
+    when one can."""
     checks = (
         (facts.backend == "sdpa", f"the {facts.backend} backend"),
-        (facts.varlen_kernel, "this torch has no usable varlen_attn"),
         (facts.capability is not None, f"no CUDA device ({facts.device_type})"),
         (facts.capability is not None and facts.capability >= (8, 0), f"compute capability {facts.capability} < 8.0"),
         (facts.dtype in FLASH_DTYPES, f"{facts.dtype} (flash needs float16 or bfloat16)"),
@@ -315,7 +320,6 @@ def varlen_attn_missing(facts: PlanFacts) -> str | None:
             facts.head_dim % 8 == 0 and facts.head_dim <= 256,
             f"head size {facts.head_dim} (flash: multiple of 8, <= 256)",
         ),
-        (not facts.attention_dropout, "attention dropout in training (varlen_attn has no dropout)"),
     )
     return next((why for holds, why in checks if not holds), None)
 
@@ -344,10 +348,14 @@ def decide_plan(facts: PlanFacts) -> ExecutionPlan:
     if off:
         if facts.inputs == "padded":
             return plan("padded", f"{off[0]}: the padded batch")
-        return plan("block_diagonal", f"{off[0]}: flattened rows get a dense block-diagonal mask")
-    missing = varlen_attn_missing(facts)
-    if missing is None:
+        mask = "a block-sparse" if facts.backend == "flex_attention" else "a dense (tokens x tokens)"
+        return plan("block_diagonal", f"{off[0]}: flattened rows get {mask} block-diagonal mask")
+    missing = flash_missing(facts)
+    if missing is None and facts.varlen_kernel and not facts.attention_dropout:
         return plan("varlen", "torch's varlen_attn: one call per layer", VARLEN_ATTENTION)
+    if missing is None:  # the same flash kernel, reached through SDPA, which takes dropout_p
+        why = "attention dropout in training" if facts.attention_dropout else "this torch has no usable varlen_attn"
+        return plan("varlen", f"{why}: SDPA over nested jagged tensors, one flash call per layer", NESTED_ATTENTION)
     if facts.device_type == "cpu" or facts.inputs == "flattened":
         return plan("per_sequence", f"attention one sequence at a time (no varlen kernel: {missing})", PER_SEQUENCE)
     return plan("padded", f"no varlen kernel ({missing}): the padded batch beats one call per sequence")
@@ -415,16 +423,34 @@ def per_sequence_attention(module, query, key, value, attention_mask, sequence_l
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """torch's `varlen_attn` (flash, CUDA, half precision): every packed sequence in one call. It has no dropout
-    argument, so the plan does not choose it when attention dropout trains."""
+    argument: when attention dropout trains, the plan names `nested_attention` instead."""
     query, key, value = (x.transpose(1, 2).squeeze(0) for x in (query, key, value))  # (tokens, heads, head_dim)
     scale = {"scale": scaling} if VARLEN_TAKES_SCALE else {}
     context = varlen_attn(query, key, value, *(kwargs[name] for name in VARLEN_KWARGS), **scale)
     return context.unsqueeze(0), None
 
 
+def nested_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA over nested jagged tensors: on CUDA it reaches the same flash varlen kernel as `varlen_attn`, every packed
+    sequence in one call, and takes `dropout_p`; the lengths it reads are the packing's (no host sync)."""
+    offsets, lengths = kwargs["cu_seq_lens_q"].long(), kwargs.get("sequence_lengths")
+    known = {"min_seqlen": min(lengths) if lengths else None, "max_seqlen": kwargs.get("max_length_q")}
+
+    def nested(x):  # (1, heads, tokens, head_dim) -> (sequences, heads, jagged tokens, head_dim)
+        values = x.transpose(1, 2).squeeze(0).contiguous()  # a no-op for the layers' (tokens, heads, dim) views
+        return torch.nested.nested_tensor_from_jagged(values, offsets, **known).transpose(1, 2)
+
+    context = nn.functional.scaled_dot_product_attention(
+        nested(query), nested(key), nested(value), dropout_p=dropout, scale=scaling
+    )
+    return context.transpose(1, 2).values().unsqueeze(0), None
+
+
 VARLEN_ATTENTION, PER_SEQUENCE = "encoderstack_varlen", "encoderstack_per_sequence"
+NESTED_ATTENTION = "encoderstack_nested"
 AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
 AttentionInterface.register(PER_SEQUENCE, per_sequence_attention)
+AttentionInterface.register(NESTED_ATTENTION, nested_attention)
 
 
 class LayerProjection(nn.Linear):
@@ -926,16 +952,6 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
                 )
             if not fits:
                 raise ValueError(f"`{name}` has shape {tuple(value.shape)}, but the inputs have shape {shape}.")
-        if (
-            attention_mask is not None
-            and attention_mask.dim() == 2
-            and not torch.compiler.is_compiling()
-            and not ((attention_mask == 0) | (attention_mask == 1)).all()
-        ):
-            raise ValueError(
-                f"`attention_mask` must hold 1 for real tokens and 0 for padding, got values "
-                f"{sorted(set(attention_mask.unique().tolist()))}."
-            )
         limit = self.config.max_position_embeddings
         if self.config.position_embedding_type == "absolute" and position_ids is None and shape[1] > limit:
             raise ValueError(
@@ -950,11 +966,21 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         if self.config.position_embedding_type == "absolute":
             ranges.append(("position_ids", position_ids, limit))
         ranges = [(name, ids, size) for name, ids, size in ranges if ids is not None and ids.numel()]
-        if not ranges:
+        bounds = [torch.stack((ids.min(), ids.max())).long() for _, ids, _ in ranges]
+        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        if mask is not None:  # its values other than 0 and 1, counted, and read in the same sync as the ranges
+            not_binary = ((mask != 0) & (mask != 1)).sum()
+            bounds.append(torch.stack((not_binary, torch.zeros_like(not_binary))))
+        if not bounds:
             return
-        device = ranges[0][1].device
-        bounds = torch.stack([torch.stack((ids.min(), ids.max())).to(device) for _, ids, _ in ranges]).tolist()
-        for (name, _, size), (low, high) in zip(ranges, bounds):  # one host sync for all of them
+        device = bounds[0].device
+        read = torch.stack([b.to(device) for b in bounds]).tolist()  # one host sync for all of them
+        if mask is not None and read[-1][0]:
+            raise ValueError(
+                f"`attention_mask` must hold 1 for real tokens and 0 for padding, got values "
+                f"{sorted(set(mask.unique().tolist()))}."
+            )
+        for (name, _, size), (low, high) in zip(ranges, read):
             if low < 0 or high >= size:
                 raise ValueError(f"`{name}` must lie in [0, {size - 1}], got values from {low} to {high}.")
 
