@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import transformers
-from conftest import PLACEMENTS, build, real
+from conftest import PLACEMENTS, build, real, record_admin_profiling
 from test_pretrain_output import sigterm_after
 from transformers import BertConfig, BertForMaskedLM
 
@@ -513,3 +513,31 @@ def test_a_diagnosed_admin_model_starts_from_the_omegas_profiling_gives_on_a_tas
     batch = SyntheticMLMTask().sample(PROFILING_BATCH_SIZE, torch.Generator().manual_seed(3))
     assert stored[1] != 1.0
     assert stored == pytest.approx(model.profile_admin(batch["input_ids"], batch["attention_mask"]), rel=1e-6)
+
+
+def test_a_corpus_admin_model_trains_from_omegas_profiled_on_the_first_training_sequences(text, tmp_path, monkeypatch):
+    profiled, at_start = record_admin_profiling(monkeypatch)
+
+    assert (
+        diagnose(
+            *TINY_CORPUS_REPORT[:2],
+            "--placements",
+            "admin",
+            "--steps",
+            "1",
+            "--hidden-size",
+            "16",
+            "--corpus",
+            str(text),
+            "--out",
+            str(tmp_path / "report"),
+        )
+        == 0
+    )
+
+    assert len(profiled) == 1 and len(at_start) == 2  # one initialization, trained with and without warm-up
+    rows, omegas = profiled[0]
+    assert omegas[1] != 1.0
+    for first_rows, omegas_at_start in at_start:
+        assert rows == first_rows
+        assert omegas_at_start == pytest.approx(omegas, rel=1e-6)

@@ -17,6 +17,7 @@ from ..checkpoint import sha256
 from ..pretrain import (
     EVAL_MASK_SEED,
     mlm_trainer,
+    padded_ids,
     prepare_text,
     starting_model,
     stdlib_corpus,
@@ -65,16 +66,8 @@ def corpus_text(corpus: str, where: Path, seed: int) -> Iterator[CorpusText]:
 
 def padded_batch(rows: dict, pad_token_id: int) -> dict:
     """Masked evaluation sequences as one padded batch: the measurements read per-layer streams on the padded path."""
-    longest = max(map(len, rows["input_ids"]))
-
-    def pad(values, fill):
-        return torch.tensor([row + [fill] * (longest - len(row)) for row in values])
-
-    return {
-        "input_ids": pad(rows["input_ids"], pad_token_id),
-        "labels": pad(rows["labels"], -100),
-        "attention_mask": pad([[1] * len(row) for row in rows["input_ids"]], 0),
-    }
+    input_ids, attention_mask = padded_ids(rows["input_ids"], pad_token_id)
+    return {"input_ids": input_ids, "labels": padded_ids(rows["labels"], -100)[0], "attention_mask": attention_mask}
 
 
 def pretrain_settings(steps: int, lr: float, warmup_steps: int, seed: int) -> dict:
@@ -128,7 +121,8 @@ def comparison_trainer(model, text: CorpusText, settings: dict, scratch: Path, c
 def initial_model(placement: str, num_layers: int, hidden_size: int, text: CorpusText, seed: int):
     """A fresh model as pretrain builds one from config fields (seeded, then `starting_model`)."""
     transformers.set_seed(seed)
-    return starting_model(None, diagnostic_fields(placement, num_layers, hidden_size), text.tokenizer)[0]
+    fields = diagnostic_fields(placement, num_layers, hidden_size)
+    return starting_model(None, fields, text.tokenizer, text.train_set)[0]
 
 
 def text_trainer(text: CorpusText, steps: int, lr: float, seed: int, scratch: Path):
