@@ -19,6 +19,7 @@ from transformers import BertConfig, BertForMaskedLM
 import encoderstack
 from encoderstack import pretrain as pretrain_module
 from encoderstack.commands.diagnose import add_diagnose_command
+from encoderstack.configuration_encoderstack import NORM_PLACEMENTS
 from encoderstack.diagnostics import (
     ReportSettings,
     SyntheticMLMTask,
@@ -251,7 +252,8 @@ def test_the_quick_command_writes_every_file_it_promises(tmp_path):
     assert sorted(linked) == sorted(FIGURES)
     assert all((out / name).stat().st_size > 0 for name in linked)
     results = json.loads((out / "results.json").read_text())["results"]
-    assert {(r["placement"], r["num_layers"]) for r in results} == {(p, n) for p in PLACEMENTS for n in (1, 2)}
+    every_row = set(PLACEMENTS) - {"peri"}  # peri is sandwich's row
+    assert {(r["placement"], r["num_layers"]) for r in results} == {(p, n) for p in every_row for n in (1, 2)}
     assert "encoderstack diagnose --layers 1,2" in index and "| resi_dual (d stream) | 2 |" in index
     assert [path.name for path in tmp_path.iterdir()] == ["report"]  # no partial folder left behind
 
@@ -541,3 +543,10 @@ def test_a_corpus_admin_model_trains_from_omegas_profiled_on_the_first_training_
     for first_rows, omegas_at_start in at_start:
         assert rows == first_rows
         assert omegas_at_start == pytest.approx(omegas, rel=1e-6)
+
+
+def test_the_default_grid_trains_each_placement_row_once_so_not_peri_beside_sandwich():
+    placements = ReportSettings().placements
+
+    assert "sandwich" in placements and "peri" not in placements
+    assert sorted(placements) == sorted(set(NORM_PLACEMENTS) - {"peri"})

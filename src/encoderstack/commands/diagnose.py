@@ -57,7 +57,12 @@ def add_diagnose_command(commands) -> argparse.ArgumentParser:
         help=f"comma-separated depths (default {','.join(map(str, full.layers))}; "
         f"--quick: {','.join(map(str, quick.layers))})",
     )
-    diagnose.add_argument("--placements", type=placement_list, help="comma-separated placements (default: all)")
+    diagnose.add_argument(
+        "--placements",
+        type=placement_list,
+        help="comma-separated placements (default: every row of the placement table once, so not peri, "
+        "which is sandwich)",
+    )
     diagnose.add_argument(
         "--steps", type=positive_int, help=f"training steps per run (default {full.steps}; --quick: {quick.steps})"
     )

@@ -14,6 +14,7 @@ from tempfile import TemporaryDirectory
 import torch
 
 from ..configuration_encoderstack import NORM_PLACEMENTS
+from ..modeling_encoderstack import PLACEMENTS
 from ..output_folder import OutputFolder
 from .corpus import STDLIB, CorpusText, corpus_text, describe, initial_model, text_trainer
 from .measure import activation_rms_per_layer, consecutive_layer_similarity, gradient_norms_per_layer
@@ -36,10 +37,18 @@ TRAINING_BATCH_SIZE = 32
 WARMUP_FRACTION = 0.2
 
 
+def one_name_per_row(names) -> tuple[str, ...]:
+    """`names` without the aliases of an earlier one (`peri` is `sandwich`'s row): each model trained once."""
+    rows = {}
+    for name in names:
+        rows.setdefault(id(PLACEMENTS[name]), name)
+    return tuple(rows.values())
+
+
 @dataclass(frozen=True)
 class ReportSettings:
     layers: tuple[int, ...] = (6, 24, 48)
-    placements: tuple[str, ...] = NORM_PLACEMENTS
+    placements: tuple[str, ...] = one_name_per_row(NORM_PLACEMENTS)
     steps: int = 150
     hidden_size: int = 64
     lr: float = 1e-3
