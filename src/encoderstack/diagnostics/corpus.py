@@ -70,7 +70,7 @@ def padded_batch(rows: dict, pad_token_id: int) -> dict:
     return {"input_ids": input_ids, "labels": padded_ids(rows["labels"], -100)[0], "attention_mask": attention_mask}
 
 
-def pretrain_settings(steps: int, lr: float, warmup_steps: int, seed: int) -> dict:
+def pretrain_settings(steps: int, lr: float, warmup_steps: int, seed: int, batch_size: int = BATCH_SIZE) -> dict:
     """pretrain's settings for a comparison run: a constant learning rate after a linear warm-up, as synthetic runs."""
     return {
         "mlm_probability": MLM_PROBABILITY,
@@ -78,7 +78,7 @@ def pretrain_settings(steps: int, lr: float, warmup_steps: int, seed: int) -> di
         "max_length": MAX_LENGTH,
         "max_steps": steps,
         "epochs": None,
-        "batch_size": BATCH_SIZE,
+        "batch_size": batch_size,
         "learning_rate": lr,
         "warmup_steps": warmup_steps,
         "warmup_ratio": None,
@@ -118,33 +118,41 @@ def comparison_trainer(model, text: CorpusText, settings: dict, scratch: Path, c
     return mlm_trainer(model, args, text.tokenizer, text.train_set, text.eval_set, settings, callbacks=list(callbacks))
 
 
-def initial_model(placement: str, num_layers: int, hidden_size: int, text: CorpusText, seed: int):
-    """A fresh model as pretrain builds one from config fields (seeded, then `starting_model`)."""
+def initial_model(placement: str, num_layers: int, hidden_size: int, text: CorpusText, seed: int, **fields):
+    """A fresh model as pretrain builds one from config fields (seeded, then `starting_model`); `fields` override
+    the diagnostic ones."""
     transformers.set_seed(seed)
-    fields = diagnostic_fields(placement, num_layers, hidden_size)
+    fields = {**diagnostic_fields(placement, num_layers, hidden_size), **fields}
     return starting_model(None, fields, text.tokenizer, text.train_set)[0]
 
 
-def text_trainer(text: CorpusText, steps: int, lr: float, seed: int, scratch: Path):
+def text_trainer(
+    text: CorpusText, steps: int, lr: float, seed: int, scratch: Path, callbacks=(), batch_size: int = BATCH_SIZE
+):
     """`train(model, warmup_steps) -> (losses, trained model)` and `evaluate(model) -> eval masked-LM loss` on
-    `text`; each training run works on a copy, so that both schedules start from the same weights."""
+    `text`; each training run works on a copy, so that both schedules start from the same weights. `callbacks` join
+    every training run's Trainer."""
 
     def train(model, warmup_steps: int):
         losses = StepLosses()
         trainer = comparison_trainer(
-            copy.deepcopy(model), text, pretrain_settings(steps, lr, warmup_steps, seed), scratch, [losses]
+            copy.deepcopy(model),
+            text,
+            pretrain_settings(steps, lr, warmup_steps, seed, batch_size),
+            scratch,
+            [losses, *callbacks],
         )
         trainer.train()
         return losses.losses, trainer.model.eval()
 
     def evaluate(model) -> float:
-        trainer = comparison_trainer(model, text, pretrain_settings(steps, lr, 0, seed), scratch)
+        trainer = comparison_trainer(model, text, pretrain_settings(steps, lr, 0, seed, batch_size), scratch)
         return trainer.evaluate()["eval_mlm_loss"]
 
     return train, evaluate
 
 
-def describe(text: CorpusText) -> str:
+def describe(text: CorpusText, batch_size: int = BATCH_SIZE) -> str:
     data = text.data
     files = ", ".join(f"`{entry['file']}` (sha256 `{entry['sha256'][:12]}…`)" for entry in data["train"])
     source = (
@@ -160,7 +168,7 @@ def describe(text: CorpusText) -> str:
         f"sequences of at most {MAX_LENGTH} (`[CLS] ... [SEP]`). Training text: {data['train_sequences']} "
         f"sequences, {data['train_tokens']} tokens; evaluation text: {data['eval_sequences']} sequences, "
         f"{data['eval_tokens']} tokens, {data['eval_masked_tokens']} of them masked (once, seed "
-        f"{EVAL_MASK_SEED}). Each training batch is {BATCH_SIZE} sequences, each masked on its own "
+        f"{EVAL_MASK_SEED}). Each training batch is {batch_size} sequences, each masked on its own "
         f"({MLM_PROBABILITY:.0%}, BERT's 80/10/10), flattened into one row without padding. The measurements use "
         f"the first {len(text.batch['input_ids'])} masked evaluation sequences, padded into one batch."
     )
