@@ -44,35 +44,27 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("script", RUNS)
-def test_the_benchmark_runs_on_a_tiny_model_and_prints_its_table_and_the_command(script):
+def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     result = subprocess.run(
-        [sys.executable, f"benchmarks/{script}", *RUNS[script]],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=300,
+        [sys.executable, f"benchmarks/{script}", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.parametrize("script", RUNS)
+def test_the_benchmark_runs_on_a_tiny_model_and_prints_its_table_and_the_command(script):
+    result = run_script(script, *RUNS[script])
     lines = result.stdout.splitlines()
     assert any(line.startswith("model ") for line in lines), result.stdout
     assert lines[-1].startswith(f"reproduce: python benchmarks/{script} --models"), lines[-1]
 
 
 def test_the_gpu_depth_sweep_runs_its_smoke_grid_on_cpu_and_writes_its_report(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     out = tmp_path / "sweep"
-    result = subprocess.run(
-        [sys.executable, "benchmarks/depth_sweep_gpu.py", "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_script("depth_sweep_gpu.py", "--smoke", "--out", str(out))
+
     records = json.loads((out / "results.json").read_text())["records"]
     assert [(r["placement"], r["run"]) for r in records] == [
         (placement, run) for placement in ("post", "deepnorm") for run in ("init", "trained", "trained")

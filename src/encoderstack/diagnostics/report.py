@@ -172,19 +172,23 @@ def run_report(
                 if progress is not None:
                     progress(f"{placement:<10} {num_layers:>3} layers  {time.perf_counter() - start:6.1f} s")
         elapsed = time.perf_counter() - began
-        record = {
-            "settings": asdict(settings),
-            "wall_seconds": round(elapsed, 1),
-            "threads": 1,
-            "cpu_count": os.cpu_count(),
-            **({"data": text.data} if text else {}),
-            "results": results,
-        }
+        record = run_record(settings, elapsed, **({"data": text.data} if text else {}), results=results)
         with output as folder:
             write_figures(results, folder)
             (folder / "results.json").write_text(json.dumps(record) + "\n")
             (folder / "index.md").write_text(render_index(results, settings, text, elapsed))
     return output.path
+
+
+def run_record(settings, elapsed: float, **fields) -> dict:
+    """results.json: the settings, the wall clock and the machine, then `fields` (the measurements)."""
+    return {
+        "settings": asdict(settings),
+        "wall_seconds": round(elapsed, 1),
+        "threads": 1,
+        "cpu_count": os.cpu_count(),
+        **fields,
+    }
 
 
 def number(value: float) -> str:

@@ -11,7 +11,7 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
@@ -21,7 +21,7 @@ import transformers
 from ..output_folder import OutputFolder
 from .corpus import STDLIB, CorpusText, corpus_text, describe, initial_model, text_trainer
 from .measure import angular_distance_per_layer, gradient_norms_per_layer
-from .report import WARMUP_FRACTION, markdown_table, number, single_threaded
+from .report import WARMUP_FRACTION, markdown_table, number, run_record, single_threaded
 from .synthetic import divergence, final_loss
 
 SCHEDULES = (("warm-up", True), ("no warm-up", False))
@@ -158,15 +158,8 @@ def run_sweep(out, settings: SweepSettings, force: bool = False, progress: Calla
                 break
             records += sweep_initialization(settings, text, scratch, key, out_of_time, emit)
         elapsed = time.perf_counter() - began
-        record = {
-            "settings": asdict(settings),
-            "wall_seconds": round(elapsed, 1),
-            "threads": 1,
-            "cpu_count": os.cpu_count(),
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "data": text.data,
-            "records": records,
-        }
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        record = run_record(settings, elapsed, device=device, data=text.data, records=records)
         with output as folder:
             (folder / "results.json").write_text(json.dumps(record) + "\n")
             (folder / "index.md").write_text(
