@@ -16,6 +16,7 @@ import encoderstack  # noqa: E402  (registers the Auto classes)
 from encoderstack import EncoderStackConfig  # noqa: E402
 from encoderstack.configuration_encoderstack import NORM_PLACEMENTS  # noqa: E402
 from encoderstack.parity import real_tokens as real  # noqa: E402, F401  (the same real tokens as the parity checks)
+from encoderstack.pretrain import ADMIN_PROFILING_SEQUENCES  # noqa: E402
 
 PLACEMENTS = NORM_PLACEMENTS
 # The cross-product tests (backends x heads, padding-free, packing) run on these: the five classic rows and HybridNorm,
@@ -153,3 +154,27 @@ def sigterm_after(owner, name: str, monkeypatch) -> None:
         return result
 
     monkeypatch.setattr(owner, name, hooked)
+
+
+def record_admin_profiling(monkeypatch):
+    """[(the real tokens of each row profiled, the omegas)] of every `profile_admin` call, and [(the first
+    ADMIN_PROFILING_SEQUENCES training rows, every sublayer's omega)] at the start of every Trainer.train."""
+    profiled, at_start = [], []
+    profile, train = encoderstack.EncoderStackPreTrainedModel.profile_admin, transformers.Trainer.train
+
+    def recording_profile(model, input_ids, attention_mask, **kwargs):
+        omegas = profile(model, input_ids, attention_mask, **kwargs)
+        profiled.append(([ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)], omegas))
+        return omegas
+
+    def recording_train(trainer, *args, **kwargs):
+        rows = trainer.train_dataset[:ADMIN_PROFILING_SEQUENCES]["input_ids"]
+        layers = trainer.model.model.layers
+        omegas = [r.omega for layer in layers for r in (layer.attention_residual, layer.mlp_residual)]
+        assert all(torch.equal(omega, omega[0].expand_as(omega)) for omega in omegas)
+        at_start.append((rows, [omega[0].item() for omega in omegas]))
+        return train(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(encoderstack.EncoderStackPreTrainedModel, "profile_admin", recording_profile)
+    monkeypatch.setattr(transformers.Trainer, "train", recording_train)
+    return profiled, at_start

@@ -45,18 +45,18 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("script", RUNS)
-def test_the_benchmark_runs_on_a_tiny_model_and_prints_its_table_and_the_command(script):
+def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     result = subprocess.run(
-        [sys.executable, f"benchmarks/{script}", *RUNS[script]],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=300,
+        [sys.executable, f"benchmarks/{script}", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.parametrize("script", RUNS)
+def test_the_benchmark_runs_on_a_tiny_model_and_prints_its_table_and_the_command(script):
+    result = run_script(script, *RUNS[script])
     lines = result.stdout.splitlines()
     assert any(line.startswith("model ") for line in lines), result.stdout
     assert lines[-1].startswith(f"reproduce: python benchmarks/{script} --models"), lines[-1]
@@ -80,3 +80,15 @@ def test_the_gpu_check_stops_at_its_time_guard():
     result = run_gpu_check("--budget", "1")
     assert result.returncode == 1
     assert "stopped by the time guard" in result.stdout and "FAILED: time guard" in result.stdout
+
+
+def test_the_gpu_depth_sweep_runs_its_smoke_grid_on_cpu_and_writes_its_report(tmp_path):
+    out = tmp_path / "sweep"
+    result = run_script("depth_sweep_gpu.py", "--smoke", "--out", str(out))
+
+    records = json.loads((out / "results.json").read_text())["records"]
+    assert [(r["placement"], r["run"]) for r in records] == [
+        (placement, run) for placement in ("post", "deepnorm") for run in ("init", "trained", "trained")
+    ]
+    assert "every run of the grid" in (out / "index.md").read_text()
+    assert result.stdout.splitlines()[-1].startswith(f"wrote {out / 'index.md'}")

@@ -12,17 +12,19 @@ import sys
 import pytest
 import torch
 import transformers
-from conftest import PLACEMENTS, build, real
+from conftest import PLACEMENTS, build, real, record_admin_profiling
 from test_pretrain_output import sigterm_after
 from transformers import BertConfig, BertForMaskedLM
 
 import encoderstack
 from encoderstack import pretrain as pretrain_module
 from encoderstack.commands.diagnose import add_diagnose_command
+from encoderstack.configuration_encoderstack import NORM_PLACEMENTS
 from encoderstack.diagnostics import (
     ReportSettings,
     SyntheticMLMTask,
     activation_rms_per_layer,
+    angular_distance_per_layer,
     consecutive_layer_similarity,
     diagnostic_config,
     divergence,
@@ -34,6 +36,7 @@ from encoderstack.diagnostics import (
 from encoderstack.diagnostics import corpus as corpus_route
 from encoderstack.diagnostics.plots import FIGURES
 from encoderstack.diagnostics.report import single_threaded
+from encoderstack.diagnostics.sweep import SweepSettings, run_sweep
 from encoderstack.diagnostics.synthetic import (
     HALF_LENGTH,
     MASK,
@@ -251,7 +254,8 @@ def test_the_quick_command_writes_every_file_it_promises(tmp_path):
     assert sorted(linked) == sorted(FIGURES)
     assert all((out / name).stat().st_size > 0 for name in linked)
     results = json.loads((out / "results.json").read_text())["results"]
-    assert {(r["placement"], r["num_layers"]) for r in results} == {(p, n) for p in PLACEMENTS for n in (1, 2)}
+    every_row = set(PLACEMENTS) - {"peri"}  # peri is sandwich's row
+    assert {(r["placement"], r["num_layers"]) for r in results} == {(p, n) for p in every_row for n in (1, 2)}
     assert "encoderstack diagnose --layers 1,2" in index and "| resi_dual (d stream) | 2 |" in index
     assert [path.name for path in tmp_path.iterdir()] == ["report"]  # no partial folder left behind
 
@@ -513,3 +517,165 @@ def test_a_diagnosed_admin_model_starts_from_the_omegas_profiling_gives_on_a_tas
     batch = SyntheticMLMTask().sample(PROFILING_BATCH_SIZE, torch.Generator().manual_seed(3))
     assert stored[1] != 1.0
     assert stored == pytest.approx(model.profile_admin(batch["input_ids"], batch["attention_mask"]), rel=1e-6)
+
+
+@pytest.mark.parametrize("placement", ["post", "lns"])
+def test_angular_distance_is_the_mean_over_real_tokens_of_the_angle_between_consecutive_streams_over_pi(
+    placement, inputs
+):
+    model = build(encoderstack.EncoderStackModel, norm_placement=placement, num_hidden_layers=3)
+    hidden_states = model(**inputs, output_hidden_states=True).hidden_states[:-1]
+    mask = inputs["attention_mask"].bool()
+
+    def by_hand(first, second):
+        first, second = first.double(), second.double()
+        cosines = (first * second).sum(-1) / (first.norm(dim=-1) * second.norm(dim=-1))
+        return (cosines[mask].clamp(-1, 1).arccos() / math.pi).mean().item()
+
+    distances = angular_distance_per_layer(model, inputs)
+
+    assert len(distances) == 3
+    assert distances[:-1] == pytest.approx([by_hand(a, b) for a, b in zip(hidden_states, hidden_states[1:])], rel=1e-5)
+
+
+def test_the_default_grid_trains_each_placement_row_once_so_not_peri_beside_sandwich():
+    placements = ReportSettings().placements
+
+    assert "sandwich" in placements and "peri" not in placements
+    assert sorted(placements) == sorted(set(NORM_PLACEMENTS) - {"peri"})
+
+
+TINY_SWEEP = (
+    "--sweep",
+    "--layers",
+    "2",
+    "--placements",
+    "post,lns",
+    "--lrs",
+    "1e-3,3e-2",
+    "--seeds",
+    "2",
+    "--seed",
+    "4",
+    "--steps",
+    "2",
+    "--hidden-size",
+    "16",
+)
+
+
+@pytest.fixture(scope="module")
+def sweep_report(text, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep") / "report"
+    lines = []
+    settings = SweepSettings(
+        corpus=str(text),
+        layers=(2,),
+        placements=("post", "lns"),
+        lrs=(1e-3, 3e-2),
+        seeds=2,
+        seed=4,
+        steps=2,
+        hidden_size=16,
+    )
+    run_sweep(out, settings, progress=lines.append)
+    return out, lines
+
+
+def test_the_sweep_records_each_seeds_initialization_and_its_runs_at_every_rate_with_and_without_warmup(sweep_report):
+    out, lines = sweep_report
+    record = json.loads((out / "results.json").read_text())
+    records = record["records"]
+
+    inits = [(r["seed"], r["placement"]) for r in records if r["run"] == "init"]
+    runs = [(r["seed"], r["placement"], r["lr"], r["warmup"]) for r in records if r["run"] == "trained"]
+    assert inits == [(seed, placement) for seed in (4, 5) for placement in ("post", "lns")]
+    assert sorted(runs) == sorted(
+        (seed, placement, lr, warm) for seed, placement in inits for lr in (1e-3, 3e-2) for warm in (True, False)
+    )
+    for r in records:
+        assert len(r["gradient_norms"]) == len(r["angular_distance"]) == 2
+    for r in (r for r in records if r["run"] == "trained"):
+        assert len(r["losses"]) == 2 and math.isfinite(r["eval_loss"])
+    assert [json.loads(line.removeprefix("run ")) for line in lines] == records  # each as soon as it was made
+    assert record["data"]["corpus"] == record["settings"]["corpus"]
+
+
+def test_the_sweeps_runs_of_one_seed_start_from_one_initialization_and_other_seeds_from_others(sweep_report):
+    records = json.loads((sweep_report[0] / "results.json").read_text())["records"]
+
+    def first_losses(seed):
+        return {
+            r["losses"][0] for r in records if r["run"] == "trained" and r["seed"] == seed and r["placement"] == "post"
+        }
+
+    assert len(first_losses(4)) == len(first_losses(5)) == 1 and first_losses(4) != first_losses(5)
+
+
+def test_the_sweep_report_has_a_row_per_cell_with_its_divergence_count_and_the_depth_profiles(sweep_report):
+    index = (sweep_report[0] / "index.md").read_text()
+
+    assert "every run of the grid" in index
+    for placement in ("post", "lns"):
+        for lr in ("0.001", "0.03"):
+            for schedule in ("warm-up", "no warm-up"):
+                assert re.search(
+                    rf"\| {placement} \| 2 \| {lr} \| {schedule} \| \d/2 \|( [\d.]+ ± [\d.]+ \|){{3}}", index
+                )
+        assert len(re.findall(rf"\| {placement} \| 2 \| init \|  \| 2 \| [\d.]+ / [\d.]+ \|", index)) == 2
+    assert "normal(0, 0.25)" in index  # hidden 16: the Xavier std 16 ** -0.5
+
+
+def test_a_sweep_out_of_time_stops_between_runs_and_still_writes_its_report(text, tmp_path):
+    assert diagnose(*TINY_SWEEP, "--budget-minutes", "1e-9", "--corpus", str(text), "--out", str(tmp_path / "r")) == 0
+
+    assert json.loads((tmp_path / "r" / "results.json").read_text())["records"] == []
+    assert "0 of the grid's 20 records" in (tmp_path / "r" / "index.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--lrs", "1e-3"), "--lrs needs --sweep"),
+        (("--seeds", "3"), "--seeds needs --sweep"),
+        (("--sweep",), "--sweep needs --corpus"),
+        (("--sweep", "--corpus", "stdlib", "--lr", "1e-3"), "--lr does not apply to --sweep"),
+        (("--sweep", "--corpus", "stdlib", "--quick"), "--quick does not apply to --sweep"),
+        (("--sweep", "--corpus", "stdlib", "--hidden-size", "24", "--heads", "8"), "does not split into 8 heads"),
+    ],
+)
+def test_sweep_options_out_of_place_are_refused_in_one_line_before_any_work(argv, message, tmp_path, capsys):
+    assert diagnose(*argv, "--out", str(tmp_path / "report")) == 2
+
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("encoderstack: error: ") and message in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_corpus_admin_model_trains_from_omegas_profiled_on_the_first_training_sequences(text, tmp_path, monkeypatch):
+    profiled, at_start = record_admin_profiling(monkeypatch)
+
+    assert (
+        diagnose(
+            "--layers",
+            "2",
+            "--placements",
+            "admin",
+            "--steps",
+            "1",
+            "--hidden-size",
+            "16",
+            "--corpus",
+            str(text),
+            "--out",
+            str(tmp_path / "report"),
+        )
+        == 0
+    )
+
+    assert len(profiled) == 1 and len(at_start) == 2  # one initialization, trained with and without warm-up
+    rows, omegas = profiled[0]
+    assert omegas[1] != 1.0
+    for first_rows, omegas_at_start in at_start:
+        assert rows == first_rows
+        assert omegas_at_start == pytest.approx(omegas, rel=1e-6)

@@ -39,7 +39,24 @@ NOT_PATHS = {
     },
     "export-bert": {"force"},
     "export-onnx": {"task", "opset", "quantize", "no_verify", "force"},
-    "diagnose": {"layers", "placements", "steps", "hidden_size", "lr", "seed", "warmup", "quick", "force"},
+    "diagnose": {
+        "layers",
+        "placements",
+        "steps",
+        "hidden_size",
+        "lr",
+        "seed",
+        "warmup",
+        "quick",
+        "force",
+        "sweep",
+        "lrs",
+        "seeds",
+        "heads",
+        "batch_size",
+        "init_std",
+        "budget_minutes",
+    },
 }
 WRITE_NO_FOLDER = {"card", "push"}  # card adds README.md to the folder it reads; push uploads and writes nothing
 

@@ -12,7 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
-from conftest import tiny_model_folder
+from conftest import record_admin_profiling, tiny_model_folder
 
 import encoderstack
 from encoderstack import pretrain as pretraining
@@ -126,6 +126,26 @@ def test_a_fresh_tiny_pre_ln_model_trained_from_scratch_lowers_its_eval_loss(cor
 def write(path, data: bytes):
     path.write_bytes(data)
     return path
+
+
+def test_a_fresh_admin_model_trains_from_omegas_profiled_on_the_first_training_sequences(corpus, tmp_path, monkeypatch):
+    profiled, at_start = record_admin_profiling(monkeypatch)
+
+    pretrain(
+        config=TINY + ",norm_placement=admin",
+        train_tokenizer=400,
+        train=corpus,
+        output=tmp_path / "out",
+        max_length=32,
+        batch_size=8,
+        max_steps=1,
+        seed=0,
+    )
+
+    assert len(profiled) == len(at_start) == 1
+    (rows, omegas), (first_rows, omegas_at_start) = profiled[0], at_start[0]
+    assert rows == first_rows and omegas[1] != 1.0
+    assert omegas_at_start == pytest.approx(omegas, rel=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,7 @@ METRICS = ("mlm_loss", "perplexity", "accuracy")
 EVAL_MASK_SEED = 1234  # one masking of the evaluation text for every run, so that runs compare
 HELD_OUT = 0.1  # of the training documents, when no evaluation text is given
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+ADMIN_PROFILING_SEQUENCES = 32
 TRAINER_STATE = "trainer_state.json"  # Trainer writes it last into a checkpoint: a folder without it was cut short
 
 
@@ -409,12 +410,26 @@ def choose_tokenizer(model, tokenizer, train_tokenizer, config, documents, saved
     return train_wordpiece((row["text"] for row in documents), train_tokenizer)
 
 
-def starting_model(model, config, tokenizer):
-    """The model to train and the tensors it had to initialize (the MLM head of a folder without one)."""
+def starting_model(model, config, tokenizer, train_set):
+    """The model to train and the tensors it had to initialize (the MLM head of a folder without one). A fresh Admin
+    model has its shortcut scales profiled on the first training sequences (`profile_admin`)."""
     if model is None:
-        return EncoderStackForMaskedLM(fresh_config(config, tokenizer)), ["all (a fresh model)"]
+        network = EncoderStackForMaskedLM(fresh_config(config, tokenizer))
+        if network.config.norm_placement == "admin":
+            rows = train_set[:ADMIN_PROFILING_SEQUENCES]["input_ids"]
+            network.profile_admin(*padded_ids(rows, tokenizer.pad_token_id))
+        return network, ["all (a fresh model)"]
     network, info = EncoderStackForMaskedLM.from_pretrained(model, output_loading_info=True)
     return network, sorted(info["missing_keys"])
+
+
+def padded_ids(rows: list[list[int]], fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ids padded with `fill` into one batch: (ids, attention_mask)."""
+    longest = max(map(len, rows))
+    pads = [longest - len(row) for row in rows]
+    input_ids = [row + [fill] * pad for row, pad in zip(rows, pads)]
+    attention_mask = [[1] * len(row) + [0] * pad for row, pad in zip(rows, pads)]
+    return torch.tensor(input_ids), torch.tensor(attention_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------- training
@@ -731,7 +746,7 @@ def mlm_trainer(
 def train_and_save(run, args, config, tokenizer, train_set, eval_set, destination, checkpoint, record) -> dict:
     scratch = Path(args.output_dir)
     transformers.set_seed(args.seed)
-    network, initialized = starting_model(run.model, config, tokenizer)
+    network, initialized = starting_model(run.model, config, tokenizer, train_set)
     if args.should_save and checkpoint is None:  # starting over: an older run's checkpoints must not pass for ours
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True, exist_ok=True)

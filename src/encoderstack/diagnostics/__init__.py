@@ -10,6 +10,7 @@ included. The plots need matplotlib (`pip install 'encoderstack[diagnostics]'`).
 from .measure import (
     ResidualStreams,
     activation_rms_per_layer,
+    angular_distance_per_layer,
     consecutive_layer_similarity,
     gradient_norms_per_layer,
     readout_surrogate_loss,
@@ -25,6 +26,7 @@ __all__ = [
     "SyntheticMLMTask",
     "TrainingRun",
     "activation_rms_per_layer",
+    "angular_distance_per_layer",
     "consecutive_layer_similarity",
     "diagnostic_config",
     "divergence",

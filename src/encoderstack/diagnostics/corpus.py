@@ -18,6 +18,7 @@ from ..pretrain import (
     EVAL_MASK_SEED,
     PretrainTrainingArguments,
     mlm_trainer,
+    padded_ids,
     prepare_text,
     starting_model,
     stdlib_corpus,
@@ -65,27 +66,19 @@ def corpus_text(corpus: str, where: Path, seed: int) -> Iterator[CorpusText]:
 
 def padded_batch(rows: dict, pad_token_id: int) -> dict:
     """Masked evaluation sequences as one padded batch: the measurements read per-layer streams on the padded path."""
-    longest = max(map(len, rows["input_ids"]))
-
-    def pad(values, fill):
-        return torch.tensor([row + [fill] * (longest - len(row)) for row in values])
-
-    return {
-        "input_ids": pad(rows["input_ids"], pad_token_id),
-        "labels": pad(rows["labels"], -100),
-        "attention_mask": pad([[1] * len(row) for row in rows["input_ids"]], 0),
-    }
+    input_ids, attention_mask = padded_ids(rows["input_ids"], pad_token_id)
+    return {"input_ids": input_ids, "labels": padded_ids(rows["labels"], -100)[0], "attention_mask": attention_mask}
 
 
-def pretrain_settings(steps: int, lr: float, warmup_steps: int, seed: int, scratch: Path):
+def pretrain_settings(steps: int, lr: float, warmup_steps: int, seed: int, scratch: Path, batch_size: int = BATCH_SIZE):
     """pretrain's Trainer settings for a comparison run: a constant learning rate after a linear warm-up, as the
     synthetic runs; no checkpoints or evaluations during the run, the loss of every step (NaN/inf kept, not filtered
     out) and no gradient clipping, which would hide the instability the comparison looks for."""
     return PretrainTrainingArguments(
         output_dir=str(scratch),
         max_steps=steps,
-        per_device_train_batch_size=BATCH_SIZE,
-        per_device_eval_batch_size=BATCH_SIZE,
+        per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=batch_size,
         learning_rate=lr,
         warmup_steps=warmup_steps,
         lr_scheduler_type="constant",
@@ -120,32 +113,40 @@ def comparison_trainer(model, text: CorpusText, args, callbacks=()) -> transform
     )
 
 
-def initial_model(placement: str, num_layers: int, hidden_size: int, text: CorpusText, seed: int):
-    """A fresh model as pretrain builds one from config fields (seeded, then `starting_model`)."""
+def initial_model(placement: str, num_layers: int, hidden_size: int, text: CorpusText, seed: int, **fields):
+    """A fresh model as pretrain builds one from config fields (seeded, then `starting_model`); `fields` override
+    the diagnostic ones."""
     transformers.set_seed(seed)
-    return starting_model(None, diagnostic_fields(placement, num_layers, hidden_size), text.tokenizer)[0]
+    fields = {**diagnostic_fields(placement, num_layers, hidden_size), **fields}
+    return starting_model(None, fields, text.tokenizer, text.train_set)[0]
 
 
-def text_trainer(text: CorpusText, steps: int, lr: float, seed: int, scratch: Path):
+def text_trainer(
+    text: CorpusText, steps: int, lr: float, seed: int, scratch: Path, callbacks=(), batch_size: int = BATCH_SIZE
+):
     """`train(model, warmup_steps) -> (losses, trained model)` and `evaluate(model) -> eval masked-LM loss` on
-    `text`; each training run works on a copy, so that both schedules start from the same weights."""
+    `text`; each training run works on a copy, so that both schedules start from the same weights. `callbacks` join
+    every training run's Trainer."""
 
     def train(model, warmup_steps: int):
         losses = StepLosses()
         trainer = comparison_trainer(
-            copy.deepcopy(model), text, pretrain_settings(steps, lr, warmup_steps, seed, scratch), [losses]
+            copy.deepcopy(model),
+            text,
+            pretrain_settings(steps, lr, warmup_steps, seed, scratch, batch_size),
+            [losses, *callbacks],
         )
         trainer.train()
         return losses.losses, trainer.model.eval()
 
     def evaluate(model) -> float:
-        trainer = comparison_trainer(model, text, pretrain_settings(steps, lr, 0, seed, scratch))
+        trainer = comparison_trainer(model, text, pretrain_settings(steps, lr, 0, seed, scratch, batch_size))
         return trainer.evaluate()["eval_mlm_loss"]
 
     return train, evaluate
 
 
-def describe(text: CorpusText) -> str:
+def describe(text: CorpusText, batch_size: int = BATCH_SIZE) -> str:
     data = text.data
     files = ", ".join(f"`{entry['file']}` (sha256 `{entry['sha256'][:12]}…`)" for entry in data["train"])
     source = (
@@ -161,7 +162,7 @@ def describe(text: CorpusText) -> str:
         f"sequences of at most {MAX_LENGTH} (`[CLS] ... [SEP]`). Training text: {data['train_sequences']} "
         f"sequences, {data['train_tokens']} tokens; evaluation text: {data['eval_sequences']} sequences, "
         f"{data['eval_tokens']} tokens, {data['eval_masked_tokens']} of them masked (once, seed "
-        f"{EVAL_MASK_SEED}). Each training batch is {BATCH_SIZE} sequences, each masked on its own "
+        f"{EVAL_MASK_SEED}). Each training batch is {batch_size} sequences, each masked on its own "
         f"({MLM_PROBABILITY:.0%}, BERT's 80/10/10), flattened into one row without padding. The measurements use "
         f"the first {len(text.batch['input_ids'])} masked evaluation sequences, padded into one batch."
     )

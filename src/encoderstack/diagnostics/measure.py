@@ -4,6 +4,7 @@ Each runs the model in eval mode (dropout off, so the numbers depend only on the
 back the mode it found. Only real tokens count: positions where `attention_mask` is 0 are left out.
 """
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -105,6 +106,24 @@ def consecutive_layer_similarity(model: EncoderStackPreTrainedModel, batch: dict
         name: [mean_cosine(before, after, streams.real_tokens) for before, after in zip(states, states[1:])]
         for name, states in curves.items()
     }
+
+
+def angular_distance_per_layer(model: EncoderStackPreTrainedModel, batch: dict) -> list[float]:
+    """Mean over real tokens of arccos(cos(h_{i-1}, h_i)) / pi for each layer i = 1..N, on the hidden stream: the
+    "curse of depth" redundancy measure (Sun et al. 2025, after Gromov et al. 2024), 0 for a layer that leaves the
+    direction of every token unchanged, 1 for one that reverses it. In float64: near cos = 1, where redundant layers
+    sit, arccos magnifies a float32 rounding of the cosine a hundredfold."""
+    streams = residual_streams(model, batch)
+    real = streams.real_tokens
+    return [
+        torch.nn.functional.cosine_similarity(before[real].double(), after[real].double(), dim=-1)
+        .clamp(-1.0, 1.0)
+        .arccos()
+        .div(math.pi)
+        .mean()
+        .item()
+        for before, after in zip(streams.hidden, streams.hidden[1:])
+    ]
 
 
 def readout_surrogate_loss(last_hidden_state: torch.Tensor, real_tokens: torch.Tensor, seed: int = 0) -> torch.Tensor:

@@ -14,6 +14,7 @@ from tempfile import TemporaryDirectory
 import torch
 
 from ..configuration_encoderstack import NORM_PLACEMENTS
+from ..modeling_encoderstack import PLACEMENTS
 from ..output_folder import OutputFolder
 from .corpus import STDLIB, CorpusText, corpus_text, describe, initial_model, text_trainer
 from .measure import activation_rms_per_layer, consecutive_layer_similarity, gradient_norms_per_layer
@@ -36,10 +37,18 @@ TRAINING_BATCH_SIZE = 32
 WARMUP_FRACTION = 0.2
 
 
+def one_name_per_row(names) -> tuple[str, ...]:
+    """`names` without the aliases of an earlier one (`peri` is `sandwich`'s row): each model trained once."""
+    rows = {}
+    for name in names:
+        rows.setdefault(id(PLACEMENTS[name]), name)
+    return tuple(rows.values())
+
+
 @dataclass(frozen=True)
 class ReportSettings:
     layers: tuple[int, ...] = (6, 24, 48)
-    placements: tuple[str, ...] = NORM_PLACEMENTS
+    placements: tuple[str, ...] = one_name_per_row(NORM_PLACEMENTS)
     steps: int = 150
     hidden_size: int = 64
     lr: float = 1e-3
@@ -163,19 +172,23 @@ def run_report(
                 if progress is not None:
                     progress(f"{placement:<10} {num_layers:>3} layers  {time.perf_counter() - start:6.1f} s")
         elapsed = time.perf_counter() - began
-        record = {
-            "settings": asdict(settings),
-            "wall_seconds": round(elapsed, 1),
-            "threads": 1,
-            "cpu_count": os.cpu_count(),
-            **({"data": text.data} if text else {}),
-            "results": results,
-        }
+        record = run_record(settings, elapsed, **({"data": text.data} if text else {}), results=results)
         with output as folder:
             write_figures(results, folder)
             (folder / "results.json").write_text(json.dumps(record) + "\n")
             (folder / "index.md").write_text(render_index(results, settings, text, elapsed))
     return output.path
+
+
+def run_record(settings, elapsed: float, **fields) -> dict:
+    """results.json: the settings, the wall clock and the machine, then `fields` (the measurements)."""
+    return {
+        "settings": asdict(settings),
+        "wall_seconds": round(elapsed, 1),
+        "threads": 1,
+        "cpu_count": os.cpu_count(),
+        **fields,
+    }
 
 
 def number(value: float) -> str:
