@@ -288,3 +288,40 @@ def test_export_bert_refuses_a_layout_neither_bert_nor_roberta_has(tmp_path):
     with pytest.raises(encoderstack.ConversionError, match="head_layout 'electra' is exported to neither"):
         encoderstack.export_bert(folder, tmp_path / "back")
     assert not (tmp_path / "back").exists()
+
+
+def byte_level_bpe(folder):
+    """A small byte-level BPE tokenizer as RoBERTa's (specials <s> <pad> </s> <unk> <mask>: pad id 1), saved."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    texts = ["The quick brown fox jumps over the lazy dog.", "Normalization decides how gradients flow."] * 20
+    bpe.train_from_iterator(texts, vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer,
+        bos_token="<s>",
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        mask_token="<mask>",
+    )
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def test_a_bpe_tokenizer_travels_with_the_folder_and_fill_mask_works_on_it(tmp_path):
+    config = transformers.RobertaConfig(
+        vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=200, type_vocab_size=1, pad_token_id=PAD,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.RobertaForMaskedLM(config).save_pretrained(tmp_path / "roberta")
+    byte_level_bpe(tmp_path / "roberta")
+    folder = encoderstack.convert(tmp_path / "roberta", tmp_path / "out")
+    report = json.loads((folder / "conversion.json").read_text())
+    assert report["parity"]["inputs"].startswith("tokenizer")  # parity measured on real text
+    assert (folder / "tokenizer.json").read_text() == (tmp_path / "roberta" / "tokenizer.json").read_text()
+    fill = transformers.pipeline("fill-mask", model=str(folder))
+    reference = transformers.pipeline("fill-mask", model=str(tmp_path / "roberta"))
+    text = "The quick brown <mask> jumps."
+    assert [p["token"] for p in fill(text)] == [p["token"] for p in reference(text)]
