@@ -124,3 +124,22 @@ def test_every_head_of_the_roberta_layout_agrees_between_padded_and_padding_free
             if a.dim() >= 2 and a.shape[:2] == mask.shape:
                 a, b = a[mask], b[mask]
             torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["electra", "distilbert"])
+def test_a_layout_without_a_pooler_refuses_the_next_sentence_pre_training_head_and_names_electras(layout):
+    with pytest.raises(ValueError, match="is EncoderStackForReplacedTokenDetection"):
+        build(encoderstack.EncoderStackForPreTraining, head_layout=layout)
+    assert build(encoderstack.EncoderStackModel, head_layout=layout).pooler is None
+
+
+def test_the_replaced_token_detector_scores_every_token_and_its_loss_counts_real_tokens_only():
+    model = build(encoderstack.EncoderStackForReplacedTokenDetection, head_layout="electra", embedding_size=16)
+    inputs = batch()
+    labels = torch.randint(0, 2, inputs["input_ids"].shape, generator=torch.Generator().manual_seed(4))
+    out = model(**inputs, labels=labels)
+    real = inputs["attention_mask"].bool()
+    expected = torch.nn.functional.binary_cross_entropy_with_logits(out.logits[real], labels[real].float())
+    torch.testing.assert_close(out.loss, expected)
+    padded = model(**inputs, labels=labels, padding_free=False)
+    torch.testing.assert_close(padded.logits[real], out.logits[real], atol=1e-5, rtol=0)

@@ -1217,6 +1217,11 @@ class EncoderStackForPreTraining(EncoderStackHead):
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embeddings.word_embeddings.weight"}
 
     def __init__(self, config: EncoderStackConfig):
+        if not HEADS[config.head_layout].pooler:
+            raise ValueError(
+                f"head_layout {config.head_layout!r} has no pooler for the next-sentence head; ELECTRA's pre-training "
+                "head is EncoderStackForReplacedTokenDetection"
+            )
         super().__init__(config)
         self.lm_head = EncoderStackLMHead(config)
         self.next_sentence = nn.Linear(config.hidden_size, 2)

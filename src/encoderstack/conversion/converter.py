@@ -512,10 +512,10 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
 
 
 def load_converted(model_class, name_or_path, *args, **kwargs):
-    """`EncoderStackFor*.from_pretrained` on a BERT checkpoint: convert into a temporary folder, load from there.
+    """`EncoderStackFor*.from_pretrained` on a BERT-family checkpoint: convert into a temporary folder, load there.
     Returns None for an EncoderStack folder (or a Hub id, or no path), which then loads the ordinary way; a folder of
-    another model type (RoBERTa, ELECTRA, ...) is refused as `convert` refuses it: transformers would load it as a
-    mostly random model."""
+    a family EncoderStack cannot express (ALBERT, DeBERTa, ...) is refused as `convert` refuses it: transformers would
+    load it as a mostly random model."""
     if not isinstance(name_or_path, (str, os.PathLike)):  # None with a config and a state_dict: nothing to convert
         return None
     try:
