@@ -29,6 +29,7 @@ RUNS = {
     "flex.py": [*ONE_ROUND, "--sizes", "2x16"],
     "onnx.py": [*ONE_ROUND, "--sizes", "2x16"],
     "sparse_mlm.py": [*ONE_ROUND, "--sizes", "2x16"],
+    "families.py": [*ONE_ROUND, "--sizes", "2x16", "--families", "roberta,electra,distilbert"],
     # real text: the tokenizer's ids need the real vocabulary
     "pretrain.py": [
         "--models",

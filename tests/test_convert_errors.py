@@ -71,7 +71,7 @@ def test_a_missing_shard_is_refused(source, tmp_path):
 def test_a_checkpoint_of_another_architecture_is_refused(tmp_path):
     gpt2 = transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=99))
     gpt2.save_pretrained(tmp_path / "gpt2")
-    assert_refused(tmp_path / "gpt2", tmp_path / "out", r"model_type 'gpt2' is not a BERT checkpoint")
+    assert_refused(tmp_path / "gpt2", tmp_path / "out", r"model_type 'gpt2' is not a BERT-family checkpoint")
 
 
 def test_a_config_that_disagrees_with_the_tensor_shapes_is_refused(source, tmp_path):
@@ -334,15 +334,15 @@ def test_a_trained_decoder_that_config_json_says_is_tied_is_refused(tmp_path):
 TINY = {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 37}
 
 
-@pytest.mark.parametrize("family", ["Roberta", "Electra"])
-def test_from_pretrained_refuses_a_roberta_or_electra_folder_as_convert_does(tmp_path, family):
+@pytest.mark.parametrize(("family", "model_type"), [("Albert", "albert"), ("DebertaV2", "deberta-v2")])
+def test_from_pretrained_refuses_an_albert_or_deberta_folder_as_convert_does(tmp_path, family, model_type):
     """transformers would load it into EncoderStack with most weights newly initialized, and only a load report."""
     folder = tmp_path / family.lower()
     config = getattr(transformers, family + "Config")(**TINY)
     getattr(transformers, family + "Model")(config).save_pretrained(folder)
     with pytest.raises(ConversionError) as refused_by_convert:
         encoderstack.convert(folder, tmp_path / "out")
-    assert f"model_type '{family.lower()}' is not a BERT checkpoint" in str(refused_by_convert.value)
+    assert f"model_type '{model_type}' cannot be converted: " in str(refused_by_convert.value)
     for model_class in (encoderstack.EncoderStackModel, encoderstack.EncoderStackForSequenceClassification):
         with pytest.raises(ConversionError) as refused_by_load:
             model_class.from_pretrained(folder)

@@ -476,7 +476,10 @@ def small_vocabulary(folder):
         (lambda folder: folder, r"model: no such model folder"),
         (gpt2_folder, r"model[/\\]config.json: model_type 'gpt2' is not an EncoderStack or BERT model"),
         (unconvertible_bert_folder, r"model[/\\]config.json: architecture 'BertLMHeadModel' cannot be converted"),
-        (folder_without_tokenizer, r"model: no tokenizer \(tokenizer.json or vocab.txt\)"),
+        (
+            folder_without_tokenizer,
+            r"model: no tokenizer \(tokenizer.json or vocab.txt or vocab.json or sentencepiece.bpe.model\)",
+        ),
         (
             three_label_head,
             r"config.json: its EncoderStackForSequenceClassification head was trained for the labels "

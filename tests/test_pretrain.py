@@ -471,7 +471,8 @@ def test_text_or_a_tokenizer_folder_that_gives_no_tokens_fails_with_one_line_nam
     (tmp_path / "empty").mkdir()
     command = ["--config", TINY, "--tokenizer", str(tmp_path / "empty"), "--train", str(tmp_path / "data" / "good.txt")]
     assert main(pretrain_cli(tmp_path, *command)) == 2
-    assert f"{tmp_path / 'empty'}: no tokenizer files (tokenizer.json or vocab.txt)" in one_line_error(capsys)
+    files = "tokenizer.json or vocab.txt or vocab.json or sentencepiece.bpe.model"
+    assert f"{tmp_path / 'empty'}: no tokenizer files ({files})" in one_line_error(capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "empty"]
 
 

@@ -17,6 +17,7 @@ from .modeling_encoderstack import (
     EncoderStackForMultipleChoice,
     EncoderStackForPreTraining,
     EncoderStackForQuestionAnswering,
+    EncoderStackForReplacedTokenDetection,
     EncoderStackForSequenceClassification,
     EncoderStackForTokenClassification,
     EncoderStackModel,
@@ -74,4 +75,5 @@ __all__ = [
     "EncoderStackForTokenClassification",
     "EncoderStackForQuestionAnswering",
     "EncoderStackForMultipleChoice",
+    "EncoderStackForReplacedTokenDetection",
 ]

@@ -42,6 +42,8 @@ PLACEMENT_EQUATIONS = {
     "deepscale": "`h = λ·h + β·Drop(F(LN(h)))`, `β² = 1/N`, `λ² = 1 − β²`, then a final `LN`",
 }
 GATED_ACTIVATIONS = {"geglu": "gelu", "swiglu": "silu"}
+HeadLayout = Literal["bert", "roberta", "electra", "distilbert"]
+HEAD_LAYOUTS = get_args(HeadLayout)
 
 
 @strict
@@ -78,6 +80,21 @@ class EncoderStackConfig(PreTrainedConfig):
         call on a GPU that has one), scatter once at the end (padded positions of every per-token output are then
         0). Same numbers on real tokens; `False` runs the padded batch as BERT does (flattened rows then get a
         block-diagonal mask). The `padding_free` argument of `forward` overrides it per call.
+    position_offset (`int`, *optional*):
+        `None` (BERT): positions count 0, 1, ... along each row, whatever its padding. An integer k (RoBERTa, XLM-R,
+        CamemBERT: `pad_token_id + 1`): the real tokens of each sequence count k, k + 1, ..., so that left and right
+        padding give the same positions; `position_ids` below k are refused.
+    embedding_size (`int`, *optional*):
+        The width of the embeddings (ELECTRA-small: 128); where it differs from `hidden_size`, a linear projection
+        follows them, and the masked-LM head predicts from this width (tied to the word embeddings). `None`: the
+        hidden size.
+    head_layout (`str`, defaults to `"bert"`):
+        What the sequence-level and masked-LM heads are made of, as in the family the weights come from: `"bert"`
+        (the pooler, tanh(dense(first token)), feeds the classifier), `"roberta"` (sequence classification: dense,
+        tanh and the classifier on the first token, no pooler; masked-LM activation gelu), `"electra"` (dense, gelu,
+        classifier on the first token for sequence classification and multiple choice; no pooler anywhere) or
+        `"distilbert"` (dense, ReLU, classifier; no pooler). `type_vocab_size=0` means no token-type embeddings
+        (DistilBERT).
     sparse_prediction (`bool`, defaults to `True`):
         Masked-LM heads in training with labels run the prediction head, its logits and the loss on the labelled
         tokens only (as ModernBERT's `sparse_prediction`): the same loss, a fraction of the vocabulary projection's
@@ -111,6 +128,9 @@ class EncoderStackConfig(PreTrainedConfig):
     resi_dual_scale: float | int = 1.0
     padding_free: bool = True
     sparse_prediction: bool = True
+    position_offset: int | None = None
+    embedding_size: int | None = None
+    head_layout: HeadLayout = "bert"
 
     def validate_architecture(self):
         """Part of `@strict` validation: every message names the field and the offending value."""
@@ -121,10 +141,18 @@ class EncoderStackConfig(PreTrainedConfig):
             "num_attention_heads",
             "intermediate_size",
             "max_position_embeddings",
-            "type_vocab_size",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)}.")
+        if self.type_vocab_size < 0:
+            raise ValueError(f"`type_vocab_size` must be 0 (no token types) or more, got {self.type_vocab_size}.")
+        if self.embedding_size is not None and self.embedding_size <= 0:
+            raise ValueError(f"`embedding_size` must be a positive integer or None, got {self.embedding_size}.")
+        if self.position_offset is not None and not 0 <= self.position_offset < self.max_position_embeddings:
+            raise ValueError(
+                f"`position_offset` must lie in [0, {self.max_position_embeddings - 1}] (below "
+                f"`max_position_embeddings`), got {self.position_offset}."
+            )
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "

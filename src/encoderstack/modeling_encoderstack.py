@@ -87,29 +87,49 @@ def sinusoidal_positions(position_ids: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class EncoderStackEmbeddings(nn.Module):
-    """Word + token-type (+ learned or sinusoidal position) embeddings, optionally normalized, then dropout."""
+    """Word (+ token-type) (+ learned or sinusoidal position) embeddings, optionally normalized, then dropout, at
+    `embedding_size`; projected to the hidden size where the two differ (ELECTRA)."""
 
     def __init__(self, config: EncoderStackConfig):
         super().__init__()
+        size = config.embedding_size or config.hidden_size
         self.position_embedding_type = config.position_embedding_type
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.word_embeddings = nn.Embedding(config.vocab_size, size, padding_idx=config.pad_token_id)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, size) if config.type_vocab_size else None
         if config.position_embedding_type == "absolute":
-            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.norm = make_norm(config) if config.embedding_norm else nn.Identity()
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, size)
+        self.norm = make_norm(config, size) if config.embedding_norm else nn.Identity()
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.project = nn.Linear(size, config.hidden_size) if size != config.hidden_size else nn.Identity()
 
     def forward(self, input_ids, token_type_ids, position_ids, inputs_embeds):
         embeddings = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        if token_type_ids is None:  # all type 0: one broadcast row instead of a gather
-            embeddings = embeddings + self.token_type_embeddings.weight[0]
-        else:
-            embeddings = embeddings + self.token_type_embeddings(token_type_ids)
+        if self.token_type_embeddings is not None:  # all type 0 without ids: one broadcast row instead of a gather
+            types = self.token_type_embeddings
+            embeddings = embeddings + (types.weight[0] if token_type_ids is None else types(token_type_ids))
         if self.position_embedding_type == "absolute":
             embeddings = embeddings + self.position_embeddings(position_ids)
         elif self.position_embedding_type == "sinusoidal":
             embeddings = embeddings + sinusoidal_positions(position_ids, embeddings.shape[-1]).to(embeddings.dtype)
-        return self.dropout(self.norm(embeddings))
+        return self.project(self.dropout(self.norm(embeddings)))
+
+
+def default_position_ids(config, input_ids, attention_mask, packing, seq_length, device) -> torch.Tensor:
+    """Positions where the caller gives none. BERT's count along the row (0, 1, ...) whatever the padding; with
+    `config.position_offset` (RoBERTa's pad_token_id + 1), each sequence's real tokens count from the offset, so that
+    left and right padding, padding-free and flattened rows give every token the same position."""
+    offset = config.position_offset
+    if packing is not None and packing.flattened:
+        return packing.position_ids() + (offset or 0)
+    if offset is None:
+        return torch.arange(seq_length, device=device)
+    if attention_mask is not None and attention_mask.dim() == 2:
+        real = attention_mask.to(device).bool()
+    elif input_ids is not None and config.pad_token_id is not None:
+        real = input_ids != config.pad_token_id  # RoBERTa's rule where no mask says which tokens are real
+    else:
+        return torch.arange(seq_length, device=device) + offset
+    return (real.long().cumsum(-1) - 1).clamp(min=0) + offset  # padding reuses a real row: its output is ignored
 
 
 class EncoderStackRotaryEmbedding(nn.Module):
@@ -229,6 +249,13 @@ def first_real_tokens(hidden_states: torch.Tensor, attention_mask: torch.Tensor 
         return hidden_states[:, 0]
     first = attention_mask.to(device=hidden_states.device, dtype=torch.int).argmax(-1)  # the first 1 of each row
     return hidden_states[torch.arange(first.numel(), device=first.device), first]
+
+
+def first_tokens(hidden_states: torch.Tensor, attention_mask, packing: "PackedSequences | None") -> torch.Tensor:
+    """(batch, seq, ...) -> (sequences, ...): the first real token of every sequence, rows or flattened."""
+    if packing is not None and packing.flattened:
+        return packing.first_tokens(packing.pack(hidden_states))
+    return first_real_tokens(hidden_states, attention_mask)
 
 
 class EncoderStackKwargs(TransformersKwargs, total=False):
@@ -669,15 +696,39 @@ class EncoderStackPooler(nn.Module):
         return torch.tanh(self.dense(first_tokens))
 
 
+@dataclass(frozen=True)
+class Heads:
+    """The parts of the task heads that differ between the BERT-family layouts (`config.head_layout`), the way
+    `Placement` holds a placement: what feeds the sequence-level classifiers (None: BERT's pooler in the encoder; an
+    activation: the head's own dense layer and that activation on the first token, without a pooler) and the
+    masked-LM head's activation (None: `hidden_act`); whether the bare encoder has BERT's pooler at all."""
+
+    sequence: str | None = None  # sequence classification
+    choice: str | None = None  # multiple choice
+    lm_act: str | None = None
+    pooler: bool = True
+
+
+HEADS = {
+    "bert": Heads(),
+    "roberta": Heads(sequence="tanh", lm_act="gelu"),  # multiple choice keeps the pooler, as RoBERTa's does
+    "electra": Heads(sequence="gelu", choice="gelu", lm_act="gelu", pooler=False),
+    "distilbert": Heads(sequence="relu", choice="relu", pooler=False),
+}
+
+
 class EncoderStackLMHead(nn.Module):
-    """BERT's masked-LM head: dense, activation, norm, then the decoder tied to the word embeddings."""
+    """BERT's masked-LM head: dense, activation, norm, then the decoder tied to the word embeddings (at
+    `embedding_size` where the embeddings are narrower than the hidden states, as ELECTRA's generator)."""
 
     def __init__(self, config: EncoderStackConfig):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.act = ACT2FN[GATED_ACTIVATIONS.get(config.hidden_act, config.hidden_act)]
-        self.norm = make_norm(config)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        size = config.embedding_size or config.hidden_size
+        act = HEADS[config.head_layout].lm_act or config.hidden_act
+        self.dense = nn.Linear(config.hidden_size, size)
+        self.act = ACT2FN[GATED_ACTIVATIONS.get(act, act)]
+        self.norm = make_norm(config, size)
+        self.decoder = nn.Linear(size, config.vocab_size)
 
     def forward(self, hidden_states):
         return self.decoder(self.norm(self.act(self.dense(hidden_states))))
@@ -788,7 +839,8 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         self.rotary = EncoderStackRotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         self.layers = nn.ModuleList(EncoderStackLayer(config, index) for index in range(config.num_hidden_layers))
         self.final = EncoderStackFinal(config)
-        self.pooler = EncoderStackPooler(config) if add_pooling_layer else None
+        pooled = add_pooling_layer and HEADS[config.head_layout].pooler
+        self.pooler = EncoderStackPooler(config) if pooled else None
         self.post_init()
 
     def get_input_embeddings(self):
@@ -819,9 +871,8 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
             kwargs.pop(name, None)
         batch_size, seq_length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         device = input_ids.device if input_ids is not None else inputs_embeds.device
-        flattened = packing is not None and packing.flattened
         if position_ids is None:
-            position_ids = packing.position_ids() if flattened else torch.arange(seq_length, device=device)
+            position_ids = default_position_ids(self.config, input_ids, attention_mask, packing, seq_length, device)
         position_ids = position_ids.expand(batch_size, seq_length)
         if plan.packed:  # gather the real tokens into one row once, before the embeddings
             input_ids, token_type_ids, position_ids, inputs_embeds = (
@@ -846,12 +897,7 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
             hidden_states = packing.unpack(hidden_states)
         pooled = None
         if self.pooler is not None:
-            first_tokens = (
-                packing.first_tokens(packing.pack(hidden_states))
-                if flattened
-                else first_real_tokens(hidden_states, attention_mask)
-            )
-            pooled = self.pooler(first_tokens)
+            pooled = self.pooler(first_tokens(hidden_states, attention_mask, packing))
         return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooled)
 
     def execution_plan(
@@ -920,7 +966,7 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         """Turn the mistakes that would otherwise surface as an index error deep in a kernel into a clear message."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
-        hidden = self.config.hidden_size
+        hidden = self.config.embedding_size or self.config.hidden_size
         if inputs_embeds is not None and (
             not inputs_embeds.is_floating_point() or inputs_embeds.shape[-1:] != (hidden,)
         ):
@@ -952,21 +998,24 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
                 )
             if not fits:
                 raise ValueError(f"`{name}` has shape {tuple(value.shape)}, but the inputs have shape {shape}.")
-        limit = self.config.max_position_embeddings
-        if self.config.position_embedding_type == "absolute" and position_ids is None and shape[1] > limit:
+        limit, offset = self.config.max_position_embeddings, self.config.position_offset or 0
+        if self.config.position_embedding_type == "absolute" and position_ids is None and shape[1] + offset > limit:
             raise ValueError(
-                f"Sequence length {shape[1]} exceeds `max_position_embeddings` ({limit}) of learned positions."
+                f"Sequence length {shape[1]} exceeds the {limit - offset} learned positions "
+                f"(`max_position_embeddings` {limit}" + (f", counted from {offset})." if offset else ").")
             )
         if torch.compiler.is_compiling():
             return
         ranges = [
-            ("input_ids", input_ids, self.config.vocab_size),
-            ("token_type_ids", token_type_ids, self.config.type_vocab_size),
+            ("input_ids", input_ids, 0, self.config.vocab_size),
+            # a model without token types takes type 0 only: what a BERT tokenizer gives a single sentence
+            ("token_type_ids", token_type_ids, 0, max(self.config.type_vocab_size, 1)),
         ]
         if self.config.position_embedding_type == "absolute":
-            ranges.append(("position_ids", position_ids, limit))
-        ranges = [(name, ids, size) for name, ids, size in ranges if ids is not None and ids.numel()]
-        bounds = [torch.stack((ids.min(), ids.max())).long() for _, ids, _ in ranges]
+            # positions below the offset are rows a RoBERTa-style model never trained (padding's, or none)
+            ranges.append(("position_ids", position_ids, offset, limit))
+        ranges = [(name, ids, *bounds) for name, ids, *bounds in ranges if ids is not None and ids.numel()]
+        bounds = [torch.stack((ids.min(), ids.max())).long() for _, ids, _, _ in ranges]
         mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         if mask is not None:  # its values other than 0 and 1, counted, and read in the same sync as the ranges
             not_binary = ((mask != 0) & (mask != 1)).sum()
@@ -980,9 +1029,9 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
                 f"`attention_mask` must hold 1 for real tokens and 0 for padding, got values "
                 f"{sorted(set(mask.unique().tolist()))}."
             )
-        for (name, _, size), (low, high) in zip(ranges, read):
-            if low < 0 or high >= size:
-                raise ValueError(f"`{name}` must lie in [0, {size - 1}], got values from {low} to {high}.")
+        for (name, _, first, size), (low, high) in zip(ranges, read):
+            if low < first or high >= size:
+                raise ValueError(f"`{name}` must lie in [{first}, {size - 1}], got values from {low} to {high}.")
 
 
 @dataclass
@@ -1099,10 +1148,12 @@ class EncoderStackHead(EncoderStackPreTrainedModel):
     leaves the task to `predict`."""
 
     uses_pooler = False
+    head_part = None  # "sequence" or "choice": the sequence-level head this is, in the layout's `HEADS` row
 
     def __init__(self, config: EncoderStackConfig):
         super().__init__(config)
-        self.model = EncoderStackModel(config, add_pooling_layer=self.uses_pooler)
+        self.first_token_act = getattr(HEADS[config.head_layout], self.head_part) if self.head_part else None
+        self.model = EncoderStackModel(config, add_pooling_layer=self.uses_pooler and self.first_token_act is None)
 
     def encode(
         self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, padding_free=None, **kwargs
@@ -1139,11 +1190,22 @@ class EncoderStackClassifierHead(EncoderStackHead):
         super().__init__(config)
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
         self.dropout = nn.Dropout(dropout)
+        if self.first_token_act is not None:  # the family's own sequence head in place of BERT's pooler
+            self.pre_classifier = nn.Linear(config.hidden_size, config.hidden_size)
+            self.pre_classifier_act = ACT2FN[self.first_token_act]
         self.classifier = nn.Linear(config.hidden_size, self.num_outputs or config.num_labels)
         self.post_init()
 
     def logits(self, features):
         return self.classifier(self.dropout(features))
+
+    def sequence_features(self, encoded: Encoded) -> torch.Tensor:
+        """What a sequence-level head classifies: BERT's pooled output, or the family's dense + activation on the
+        first token of every sequence."""
+        if self.first_token_act is None:
+            return encoded.outputs.pooler_output
+        first = first_tokens(encoded.outputs.last_hidden_state, encoded.real, encoded.packing)
+        return self.pre_classifier_act(self.pre_classifier(self.dropout(first)))
 
 
 class EncoderStackForMaskedLM(EncoderStackHead):
@@ -1181,6 +1243,11 @@ class EncoderStackForPreTraining(EncoderStackHead):
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embeddings.word_embeddings.weight"}
 
     def __init__(self, config: EncoderStackConfig):
+        if not HEADS[config.head_layout].pooler:
+            raise ValueError(
+                f"head_layout {config.head_layout!r} has no pooler for the next-sentence head; ELECTRA's pre-training "
+                "head is EncoderStackForReplacedTokenDetection"
+            )
         super().__init__(config)
         self.lm_head = EncoderStackLMHead(config)
         self.next_sentence = nn.Linear(config.hidden_size, 2)
@@ -1224,9 +1291,10 @@ class EncoderStackForSequenceClassification(EncoderStackClassifierHead):
     """Classification or regression on the pooled first token; the loss follows `config.problem_type` as in BERT."""
 
     uses_pooler = True
+    head_part = "sequence"
 
     def predict(self, encoded: Encoded, labels, num_items) -> SequenceClassifierOutput:
-        logits = self.logits(encoded.outputs.pooler_output)
+        logits = self.logits(self.sequence_features(encoded))
         loss = self.sequence_loss(logits, labels, num_items) if labels is not None else None
         return SequenceClassifierOutput(loss=loss, logits=logits, **encoded.recorded)
 
@@ -1298,6 +1366,7 @@ class EncoderStackForMultipleChoice(EncoderStackClassifierHead):
     """One score per choice from the pooled first token; inputs are (batch, num_choices, sequence)."""
 
     uses_pooler = True
+    head_part = "choice"
     num_outputs = 1
 
     @can_return_tuple
@@ -1329,11 +1398,48 @@ class EncoderStackForMultipleChoice(EncoderStackClassifierHead):
                 "Multiple choice scores whole rows: flattened sequences (`position_ids` that restart, or "
                 "`cu_seq_lens_q`) are not supported; pass padded (batch, num_choices, sequence) inputs."
             )
-        logits = self.logits(encoded.outputs.pooler_output).view(-1, num_choices)
+        logits = self.logits(self.sequence_features(encoded)).view(-1, num_choices)
         if labels is not None:
             check_shape("labels", labels, (batch_size,), "the questions")
         loss = cross_entropy(logits, labels, num_items) if labels is not None else None
         return MultipleChoiceModelOutput(loss=loss, logits=logits, **encoded.recorded)
+
+
+class EncoderStackDiscriminator(nn.Module):
+    """ELECTRA's replaced-token detector: dense, activation, one logit per token."""
+
+    def __init__(self, config: EncoderStackConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = ACT2FN[GATED_ACTIVATIONS.get(config.hidden_act, config.hidden_act)]
+        self.prediction = nn.Linear(config.hidden_size, 1)
+
+    def forward(self, hidden_states):
+        return self.prediction(self.act(self.dense(hidden_states))).squeeze(-1)
+
+
+class EncoderStackForReplacedTokenDetection(EncoderStackHead):
+    """ELECTRA's pre-training discriminator: for every token, the logit that it was replaced; `labels` 1 (replaced) or
+    0 give the binary cross-entropy over the real tokens, as ELECTRA's."""
+
+    accepts_loss_kwargs = False  # a mean over this batch's real tokens, as ELECTRA's
+
+    def __init__(self, config: EncoderStackConfig):
+        super().__init__(config)
+        self.discriminator = EncoderStackDiscriminator(config)
+        self.post_init()
+
+    def predict(self, encoded: Encoded, labels, num_items) -> TokenClassifierOutput:
+        logits, _ = encoded.per_token(self.discriminator)
+        loss = None
+        if labels is not None:
+            check_shape("labels", labels, logits.shape, "the inputs")
+            real = encoded.real if encoded.real is not None else torch.ones_like(logits, dtype=torch.bool)
+            real = real.to(logits.device)
+            loss = nn.functional.binary_cross_entropy_with_logits(
+                logits.float()[real], labels.to(logits.device).float()[real]
+            )
+        return TokenClassifierOutput(loss=loss, logits=logits, **encoded.recorded)
 
 
 # Written into every saved config.json, so that each Auto class loads the checkpoint with `trust_remote_code=True`
@@ -1359,4 +1465,5 @@ __all__ = [
     "EncoderStackForTokenClassification",
     "EncoderStackForQuestionAnswering",
     "EncoderStackForMultipleChoice",
+    "EncoderStackForReplacedTokenDetection",
 ]

@@ -27,9 +27,8 @@ from ..output_folder import OutputFolder
 from ..version import __version__
 from .keymap import (
     BERT_FIELDS,
-    ENCODER_KEYS,
     FAMILIES,
-    SKIPPED_KEYS,
+    REFUSED_FAMILIES,
     TASKS,
     ConversionError,
     Task,
@@ -164,10 +163,13 @@ def encoderstack_config(source: Source, family: str, task: Task) -> EncoderStack
             "(EncoderStack converts absolute learned positions)"
         )
     fields = {name: config[name] for name in BERT_FIELDS if name in config}
+    try:
+        fields.update(FAMILIES[family].fields(config))
+    except ConversionError as error:
+        raise ConversionError(f"{source.config_path}: {error}") from None
     for name, value in fields.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConversionError(f"{source.config_path}: {name} is {value}; it must be a finite number")
-    fields.update(FAMILIES[family][1])
     if task.name == "next-sentence":
         fields.update(num_labels=2, id2label=None, label2id=None)
     elif "id2label" not in fields and "num_labels" in config:
@@ -185,9 +187,11 @@ def encoderstack_config(source: Source, family: str, task: Task) -> EncoderStack
 
 def bert_family(config: dict, config_path: Path) -> str:
     family = config.get("model_type")
+    if family in REFUSED_FAMILIES:
+        raise ConversionError(f"{config_path}: model_type {family!r} cannot be converted: {REFUSED_FAMILIES[family]}")
     if family not in FAMILIES:
         raise ConversionError(
-            f"{config_path}: model_type {family!r} is not a BERT checkpoint (supported: {', '.join(FAMILIES)})"
+            f"{config_path}: model_type {family!r} is not a BERT-family checkpoint (supported: {', '.join(FAMILIES)})"
         )
     return family
 
@@ -211,18 +215,19 @@ def detect_task(source: Source) -> tuple[str, Task]:
                 f"{source.config_path}: architecture {architectures[0]} with model_type {family_name!r}"
             )
         return family, task
-    names = {bert for bert, _ in source.bert_names.values()}
-    has = lambda prefix: any(name.startswith(prefix) for name in names)  # noqa: E731
-    if has("cls.predictions."):
-        return family_name, TASKS["pretraining" if has("cls.seq_relationship.") else "masked-lm"]
+    family = FAMILIES[family_name]
+    names = {family.local_name(bert) for bert, _ in source.bert_names.values()}
+    token_heads = [TASKS[name] for name in ("pretraining", "replaced-token-detection", "masked-lm")]
+    for task in (task for task in token_heads if family.has(task)):  # the first whose head keys are all there
+        templates = family.head_keys_of(task)
+        if all(any(translate(name, [pair]) for name in names) for pair in templates if "decoder.weight" not in pair[0]):
+            return family_name, task
     return family_name, TASKS["base"]
 
 
-def refuse_untied_decoder(source: Source, decoder: str) -> None:
+def refuse_untied_decoder(source: Source, names: dict, decoder: str) -> None:
     """Tying would drop a trained decoder that differs from the embeddings (transformers does so silently)."""
-    embeddings = next(
-        (key for key, (name, _) in source.bert_names.items() if name == "embeddings.word_embeddings.weight"), None
-    )
+    embeddings = next((key for key, (name, _) in names.items() if name == "embeddings.word_embeddings.weight"), None)
     if embeddings is not None and not torch.equal(source.tensors.get(decoder), source.tensors.get(embeddings)):
         raise ConversionError(
             f"{source.tensors.file_of(decoder)}: tensor {decoder!r} differs from {embeddings!r}, "
@@ -232,31 +237,43 @@ def refuse_untied_decoder(source: Source, decoder: str) -> None:
 
 def plan(source: Source, task_name: str | None = None) -> Plan:
     """Decide, for every source tensor, where it goes or why it is skipped; refuse anything else."""
-    family, detected = detect_task(source)
+    family_name, detected = detect_task(source)
+    family = FAMILIES[family_name]
     task = TASKS[task_name] if task_name else detected
-    config = encoderstack_config(source, family, task)
+    if not family.has(task):
+        raise ConversionError(
+            f"{source.config_path}: a {family_name} checkpoint has no {task.name!r} head "
+            f"(its tasks: {', '.join(family.tasks)})"
+        )
+    config = encoderstack_config(source, family_name, task)
     expected = expected_tensors(config, task.encoderstack_class)
     prefix = "" if task.name == "base" else "model."
-    other_heads = {pair: other.name for other in TASKS.values() if other != task for pair in other.head_keys}
-    names = {bert for bert, _ in source.bert_names.values()}
+    head_keys = family.head_keys_of(task)
+    other_heads = {pair: other.name for other in TASKS.values() if other != task for pair in family.head_keys_of(other)}
+    source_names = {key: (family.local_name(name), transpose) for key, (name, transpose) in source.bert_names.items()}
+    names = {name for name, _ in source_names.values()}
     mapped, skipped = {}, dict(source.skipped)
-    for key, (name, transpose) in sorted(source.bert_names.items()):
-        target = translate(name, ENCODER_KEYS)
-        target = prefix + target if target else translate(name, task.head_keys)
-        if name in SKIPPED_KEYS and not (
+    for key, (name, transpose) in sorted(source_names.items()):
+        target = translate(name, family.encoder_keys)
+        target = prefix + target if target else translate(name, head_keys)
+        if name in family.skipped and not (
             target and name == "cls.predictions.decoder.bias" and "cls.predictions.bias" not in names
         ):
-            skipped[key] = SKIPPED_KEYS[name]
+            skipped[key] = family.skipped[name]
         elif target == "lm_head.decoder.weight" and config.tie_word_embeddings:
-            refuse_untied_decoder(source, key)
+            refuse_untied_decoder(source, source_names, key)
             skipped[key] = "tied to the word embeddings (tie_word_embeddings=true)"
         elif target is None:
             owner = next((other_heads[pair] for pair in other_heads if translate(name, [pair])), None)
             if owner is None:
-                raise ConversionError(f"{source.folder}: unknown tensor {key!r} (not part of a BERT checkpoint)")
+                raise ConversionError(
+                    f"{source.folder}: unknown tensor {key!r} (not part of a {family_name} checkpoint)"
+                )
             skipped[key] = f"head of task {owner!r}, not used by task {task.name!r}"
         elif target not in expected and target.startswith(prefix + "pooler."):
-            skipped[key] = f"pooler: {task.encoderstack_class} has none, as {FAMILIES[family][0] + task.bert_suffix}"
+            skipped[key] = (
+                f"pooler: {task.encoderstack_class} has none, as {family.architecture_prefix + task.bert_suffix}"
+            )
         elif target not in expected:
             raise ConversionError(
                 f"{source.folder}: tensor {key!r} maps to {target!r}, which {task.encoderstack_class} with "
@@ -293,7 +310,7 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
     missing = sorted(key for key in expected if key not in mapped)
     if not all(may_be_missing(key) for key in missing):
         raise ConversionError(f"{source.folder}: missing tensors for {task.encoderstack_class}: {', '.join(missing)}")
-    return Plan(family, task, config, mapped, skipped, missing)
+    return Plan(family_name, task, config, mapped, skipped, missing)
 
 
 def write_safetensors(path: Path, source: TensorSource, mapped: dict) -> None:
@@ -378,6 +395,7 @@ def convert(
                 "source": str(source_path),
                 "source_hub_id": source_hub_id or hub_id(source_path),
                 "source_format": source.tensors.format,
+                "source_family": conversion.family,
                 "source_architecture": (source.config.get("architectures") or [None])[0],
                 "source_files": {name: digest.result() for name, digest in digests.items()},
                 "task": conversion.task.name,
@@ -415,8 +433,41 @@ def check_parity(source: Source, conversion: Plan, folder: Path) -> dict:
     return verify_against_google_bert(source.tensors, conversion, folder)
 
 
+EXPORT_FAMILIES = {  # head_layout -> the family its folder exports to, its name, and its config class
+    "bert": ("bert", "BERT", "BertConfig"),
+    "roberta": ("roberta", "RoBERTa", "RobertaConfig"),
+}
+
+
+def export_family(config: EncoderStackConfig, folder: Path) -> str:
+    """The family whose own classes express this folder's layout (BERT, or RoBERTa for a converted RoBERTa)."""
+    family, name, _ = EXPORT_FAMILIES.get(config.head_layout, (None, None, None))
+    if family is None:
+        raise ConversionError(f"{folder}: head_layout {config.head_layout!r} is exported to neither BERT nor RoBERTa")
+    offset = config.pad_token_id + 1 if family == "roberta" and config.pad_token_id is not None else None
+    unsupported = {
+        "norm_placement": (config.norm_placement, "post"),
+        "norm_type": (config.norm_type, "layernorm"),
+        "embedding_norm": (config.embedding_norm, True),
+        "position_embedding_type": (config.position_embedding_type, "absolute"),
+        "embedding_size": (config.embedding_size, None),
+        "position_offset": (config.position_offset, offset),
+    }
+    for field_name, (value, family_value) in unsupported.items():
+        if value != family_value:
+            raise ConversionError(
+                f"{folder}: {name} cannot express {field_name}={value!r} ({name} has {family_value!r})"
+            )
+    if config.type_vocab_size < 1:
+        raise ConversionError(f"{folder}: {name} cannot express type_vocab_size=0 (it always has token types)")
+    if config.hidden_act not in transformers.activations.ACT2FN:
+        raise ConversionError(f"{folder}: {name} cannot express the gated activation {config.hidden_act!r}")
+    return family
+
+
 def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
-    """A post-LN EncoderStack folder back to a plain BERT folder (`BertModel` / the matching `BertFor*`)."""
+    """A post-LN EncoderStack folder back to its family's own classes: a plain BERT folder (`BertModel` / the matching
+    `BertFor*`), or RoBERTa's (`RobertaModel` / `RobertaFor*`) for a converted RoBERTa, XLM-R or CamemBERT."""
     folder = Path(encoderstack_path)
     config = read_config(folder)
     if config.get("model_type") != "encoderstack":
@@ -425,36 +476,31 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
         config = EncoderStackConfig.from_dict(config)
     except Exception as error:  # the config's own validation says what is wrong
         raise ConversionError(f"{folder / 'config.json'}: {error}") from None
-    unsupported = {
-        "norm_placement": (config.norm_placement, "post"),
-        "norm_type": (config.norm_type, "layernorm"),
-        "embedding_norm": (config.embedding_norm, True),
-        "position_embedding_type": (config.position_embedding_type, "absolute"),
-    }
-    for name, (value, bert_value) in unsupported.items():
-        if value != bert_value:
-            raise ConversionError(f"{folder}: BERT cannot express {name}={value!r} (BERT has {bert_value!r})")
-    if config.hidden_act not in transformers.activations.ACT2FN:
-        raise ConversionError(f"{folder}: BERT cannot express the gated activation {config.hidden_act!r}")
+    family_name = export_family(config, folder)
+    family = FAMILIES[family_name]
     class_name = (config.architectures or ["EncoderStackModel"])[0]
     try:
         task = task_for_encoderstack_class(class_name)
     except ConversionError as error:
         raise ConversionError(f"{folder / 'config.json'}: {error}") from None
+    if not family.has(task):
+        raise ConversionError(f"{folder}: {family_name} has no class for {class_name}")
     tensors = require_hf_weights(folder)
     prefix = "" if task.name == "base" else "model."
     mapped = {}
     for key in tensors.keys():  # noqa: SIM118  (a lazy weights reader, not a dict)
-        name = translate(key.removeprefix(prefix), ENCODER_KEYS, reverse=True) if key.startswith(prefix) else None
-        bert = ("" if task.name == "base" else "bert.") + name if name else translate(key, task.head_keys, reverse=True)
-        if bert is None:
-            raise ConversionError(f"{folder}: tensor {key!r} has no BERT counterpart")
-        mapped[bert] = (key, False)
-    bert_config = {name: getattr(config, name) for name in BERT_FIELDS}
+        encoder_key = key.removeprefix(prefix) if key.startswith(prefix) else None
+        name = translate(encoder_key, family.encoder_keys, reverse=True) if encoder_key else None
+        head = translate(key, family.head_keys_of(task), reverse=True)
+        exported = ("" if task.name == "base" else family.key_prefix) + name if name else head
+        if exported is None:
+            raise ConversionError(f"{folder}: tensor {key!r} has no {family_name} counterpart")
+        mapped[exported] = (key, False)
+    family_config = {name: getattr(config, name) for name in BERT_FIELDS}
     output = OutputFolder(output_path, force, inputs=[folder])
     with output as partial:
-        transformers.BertConfig(
-            **bert_config, num_labels=config.num_labels, architectures=["Bert" + task.bert_suffix]
+        getattr(transformers, EXPORT_FAMILIES[config.head_layout][2])(
+            **family_config, num_labels=config.num_labels, architectures=[family.architecture_prefix + task.bert_suffix]
         ).save_pretrained(partial)
         write_safetensors(partial / "model.safetensors", tensors, mapped)
         skip = set(WEIGHT_FILE_NAMES) | {"config.json", "conversion.json", *CODE_FILES}
@@ -466,10 +512,10 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
 
 
 def load_converted(model_class, name_or_path, *args, **kwargs):
-    """`EncoderStackFor*.from_pretrained` on a BERT checkpoint: convert into a temporary folder, load from there.
+    """`EncoderStackFor*.from_pretrained` on a BERT-family checkpoint: convert into a temporary folder, load there.
     Returns None for an EncoderStack folder (or a Hub id, or no path), which then loads the ordinary way; a folder of
-    another model type (RoBERTa, ELECTRA, ...) is refused as `convert` refuses it: transformers would load it as a
-    mostly random model."""
+    a family EncoderStack cannot express (ALBERT, DeBERTa, ...) is refused as `convert` refuses it: transformers would
+    load it as a mostly random model."""
     if not isinstance(name_or_path, (str, os.PathLike)):  # None with a config and a state_dict: nothing to convert
         return None
     try:

@@ -1,12 +1,15 @@
-"""What a BERT checkpoint is in EncoderStack terms: the key map, the tasks, and the config fields.
+"""What a BERT-family checkpoint is in EncoderStack terms: the key map, the tasks, and the config fields.
 
 Everything here is data. The map is a list of (BERT key, EncoderStack key) templates that reads both ways, so
 `convert` and `export_bert` share it; `{i}` stands for a layer index and `{p}` for `weight` or `bias`. BERT keys
 are written without the `bert.` prefix of its heads, EncoderStack keys without the `model.` prefix of ours.
+`FAMILIES` holds every source family (BERT, Megatron-BERT, RoBERTa and its kin): its class and key prefixes, the
+EncoderStack fields its layout implies, and where its keys differ from BERT's.
 """
 
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 
 class ConversionError(ValueError):
@@ -94,13 +97,221 @@ TASKS = {
             "EncoderStackForMultipleChoice",
             (("classifier.{p}", "classifier.{p}"),),
         ),
+        # ELECTRA's ForPreTraining is its discriminator (the generator is its ForMaskedLM)
+        Task(
+            "replaced-token-detection",
+            "ForPreTraining",
+            "EncoderStackForReplacedTokenDetection",
+            (
+                ("discriminator_predictions.dense.{p}", "discriminator.dense.{p}"),
+                ("discriminator_predictions.dense_prediction.{p}", "discriminator.prediction.{p}"),
+            ),
+        ),
     )
 }
+BERT_TASKS = tuple(name for name in TASKS if name != "replaced-token-detection")
 
-# The source model families: architecture prefix, and the EncoderStack fields that their layout implies.
+
+# Keys of a BERT checkpoint that are deliberately not converted, with the reason recorded in conversion.json.
+SKIPPED_KEYS = {
+    "embeddings.position_ids": "buffer: EncoderStack computes positions instead of storing them",
+    "embeddings.token_type_ids": "buffer: all zeros, the default token type",
+    "cls.predictions.decoder.bias": "same tensor as cls.predictions.bias (BERT ties the two)",
+}
+
+ROBERTA_LM_HEAD_KEYS = (
+    ("lm_head.dense.{p}", "lm_head.dense.{p}"),
+    ("lm_head.layer_norm.{p}", "lm_head.norm.{p}"),
+    ("lm_head.bias", "lm_head.decoder.bias"),
+    ("lm_head.decoder.weight", "lm_head.decoder.weight"),
+)
+ROBERTA_HEAD_KEYS = {
+    "masked-lm": ROBERTA_LM_HEAD_KEYS,
+    # RoBERTa's sequence head: dense + tanh on the first token (our `pre_classifier`), then `out_proj`
+    "sequence-classification": (
+        ("classifier.dense.{p}", "pre_classifier.{p}"),
+        ("classifier.out_proj.{p}", "classifier.{p}"),
+    ),
+}
+ROBERTA_TASKS = (
+    "base",
+    "masked-lm",
+    "sequence-classification",
+    "token-classification",
+    "question-answering",
+    "multiple-choice",
+)
+ROBERTA_SKIPPED = {
+    "embeddings.position_ids": SKIPPED_KEYS["embeddings.position_ids"],
+    "embeddings.token_type_ids": SKIPPED_KEYS["embeddings.token_type_ids"],
+    "lm_head.decoder.bias": "same tensor as lm_head.bias (RoBERTa ties the two)",
+}
+
+
+def roberta_fields(config: dict) -> dict:
+    """Positions count real tokens from pad_token_id + 1 (fairseq's `make_positions`); RoBERTa's heads."""
+    return {"position_offset": config.get("pad_token_id", 1) + 1, "head_layout": "roberta"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One source model family: how its classes and keys are named, the EncoderStack fields its layout implies (from
+    its config.json), the keys it adds to or changes from BERT's, and the heads it has."""
+
+    architecture_prefix: str  # BertForMaskedLM -> "Bert"
+    key_prefix: str  # the encoder's prefix inside its task heads' checkpoints
+    fields: Callable[[dict], dict] = lambda config: {}
+    extra_encoder_keys: tuple = ()
+    head_keys: dict = field(default_factory=dict)  # task name -> keys, where they are not BERT's
+    tasks: tuple = BERT_TASKS  # the tasks it has
+    skipped: dict = field(default_factory=lambda: dict(SKIPPED_KEYS))
+
+    @property
+    def encoder_keys(self) -> list:
+        return [*self.extra_encoder_keys, *ENCODER_KEYS]
+
+    def has(self, task: "Task") -> bool:
+        return task.name in self.tasks
+
+    def head_keys_of(self, task: "Task") -> tuple:
+        return self.head_keys.get(task.name, task.head_keys)
+
+    def local_name(self, name: str) -> str:
+        """A source key without the family's encoder prefix (BERT's is removed when the source is read)."""
+        return name.removeprefix(self.key_prefix)
+
+
+def roberta_family(prefix: str, key_prefix: str = "roberta.", fields=roberta_fields, extra=()) -> Family:
+    return Family(prefix, key_prefix, fields, extra, ROBERTA_HEAD_KEYS, ROBERTA_TASKS, ROBERTA_SKIPPED)
+
+
+def pre_ln_roberta_fields(embedding_norm: bool) -> Callable[[dict], dict]:
+    return lambda config: {**roberta_fields(config), "norm_placement": "pre", "embedding_norm": embedding_norm}
+
+
 FAMILIES = {
-    "bert": ("Bert", {}),
-    "megatron-bert": ("MegatronBert", {"norm_placement": "pre", "embedding_norm": False}),
+    "bert": Family("Bert", "bert."),
+    "megatron-bert": Family("MegatronBert", "bert.", lambda config: {"norm_placement": "pre", "embedding_norm": False}),
+    "roberta": roberta_family("Roberta"),
+    "xlm-roberta": roberta_family("XLMRoberta"),
+    "camembert": roberta_family("Camembert"),
+    # Pre-LN RoBERTa: its norms in front of each sublayer, the embedding norm kept, a final norm on the model
+    "roberta-prelayernorm": roberta_family(
+        "RobertaPreLayerNorm",
+        "roberta_prelayernorm.",
+        pre_ln_roberta_fields(embedding_norm=True),
+        (
+            ("encoder.layer.{i}.attention.LayerNorm.{p}", "layers.{i}.attention_residual.norm_in.{p}"),
+            ("encoder.layer.{i}.intermediate.LayerNorm.{p}", "layers.{i}.mlp_residual.norm_in.{p}"),
+            ("LayerNorm.{p}", "final.norm.{p}"),
+        ),
+    ),
+    # XLM-R XL/XXL: pre-LN with its own norm names, no embedding norm, the final norm inside the encoder
+    "xlm-roberta-xl": roberta_family(
+        "XLMRobertaXL",
+        fields=pre_ln_roberta_fields(embedding_norm=False),
+        extra=(
+            ("encoder.layer.{i}.attention.self_attn_layer_norm.{p}", "layers.{i}.attention_residual.norm_in.{p}"),
+            ("encoder.layer.{i}.LayerNorm.{p}", "layers.{i}.mlp_residual.norm_in.{p}"),
+            ("encoder.LayerNorm.{p}", "final.norm.{p}"),
+        ),
+    ),
+}
+
+
+def electra_fields(config: dict) -> dict:
+    """Embeddings at `embedding_size`, projected to the hidden size (ELECTRA-small: 128 -> 256); ELECTRA's heads.
+    Its multiple-choice summary must be the first token, projected, through gelu (the default and every release)."""
+    summary = (config.get("summary_type", "first"), config.get("summary_use_proj", True))
+    if summary != ("first", True) or config.get("summary_activation", "gelu") != "gelu":
+        raise ConversionError(
+            f"ELECTRA's sequence summary {summary + (config.get('summary_activation'),)} is not supported "
+            "(EncoderStack takes the first token, projected, through gelu)"
+        )
+    size = config.get("embedding_size", config.get("hidden_size"))
+    return {"embedding_size": size if size != config.get("hidden_size") else None, "head_layout": "electra"}
+
+
+def distilbert_fields(config: dict) -> dict:
+    """DistilBERT's own config names, no token types, its fixed LayerNorm epsilon and its heads."""
+    renamed = {
+        "dim": "hidden_size",
+        "n_layers": "num_hidden_layers",
+        "n_heads": "num_attention_heads",
+        "hidden_dim": "intermediate_size",
+        "activation": "hidden_act",
+        "dropout": "hidden_dropout_prob",
+        "attention_dropout": "attention_probs_dropout_prob",
+        "seq_classif_dropout": "classifier_dropout",
+    }
+    fields = {ours: config[theirs] for theirs, ours in renamed.items() if theirs in config}
+    return {**fields, "type_vocab_size": 0, "layer_norm_eps": 1e-12, "head_layout": "distilbert"}
+
+
+DISTILBERT_ENCODER_KEYS = (
+    ("embeddings.LayerNorm.{p}", "embeddings.norm.{p}"),
+    ("transformer.layer.{i}.attention.q_lin.{p}", "layers.{i}.attention.query.{p}"),
+    ("transformer.layer.{i}.attention.k_lin.{p}", "layers.{i}.attention.key.{p}"),
+    ("transformer.layer.{i}.attention.v_lin.{p}", "layers.{i}.attention.value.{p}"),
+    ("transformer.layer.{i}.attention.out_lin.{p}", "layers.{i}.attention.output.{p}"),
+    ("transformer.layer.{i}.sa_layer_norm.{p}", "layers.{i}.attention_residual.norm_out.{p}"),
+    ("transformer.layer.{i}.ffn.lin1.{p}", "layers.{i}.mlp.up.{p}"),
+    ("transformer.layer.{i}.ffn.lin2.{p}", "layers.{i}.mlp.down.{p}"),
+    ("transformer.layer.{i}.output_layer_norm.{p}", "layers.{i}.mlp_residual.norm_out.{p}"),
+)
+FIRST_TOKEN_HEAD = (("pre_classifier.{p}", "pre_classifier.{p}"), ("classifier.{p}", "classifier.{p}"))
+
+FAMILIES |= {
+    "electra": Family(
+        "Electra",
+        "electra.",
+        electra_fields,
+        (("embeddings_project.{p}", "embeddings.project.{p}"),),
+        {
+            "masked-lm": (  # the generator
+                ("generator_predictions.dense.{p}", "lm_head.dense.{p}"),
+                ("generator_predictions.LayerNorm.{p}", "lm_head.norm.{p}"),
+                ("generator_lm_head.weight", "lm_head.decoder.weight"),
+                ("generator_lm_head.bias", "lm_head.decoder.bias"),
+            ),
+            "sequence-classification": ROBERTA_HEAD_KEYS["sequence-classification"],
+            "multiple-choice": (
+                ("sequence_summary.summary.{p}", "pre_classifier.{p}"),
+                ("classifier.{p}", "classifier.{p}"),
+            ),
+        },
+        (*ROBERTA_TASKS, "replaced-token-detection"),
+    ),
+    "distilbert": Family(
+        "DistilBert",
+        "distilbert.",
+        distilbert_fields,
+        DISTILBERT_ENCODER_KEYS,
+        {
+            "masked-lm": (
+                ("vocab_transform.{p}", "lm_head.dense.{p}"),
+                ("vocab_layer_norm.{p}", "lm_head.norm.{p}"),
+                ("vocab_projector.weight", "lm_head.decoder.weight"),
+                ("vocab_projector.bias", "lm_head.decoder.bias"),
+            ),
+            "sequence-classification": FIRST_TOKEN_HEAD,
+            "multiple-choice": FIRST_TOKEN_HEAD,
+        },
+        ROBERTA_TASKS,
+    ),
+}
+
+# Families that transformers has but EncoderStack's layers cannot express, and why.
+REFUSED_FAMILIES = {
+    "albert": "ALBERT shares one set of layer weights across the stack and factorizes the embeddings",
+    "deberta": "DeBERTa's disentangled attention adds content-to-position terms inside attention",
+    "deberta-v2": "DeBERTa's disentangled attention adds content-to-position terms inside attention",
+    "mpnet": "MPNet adds a learned relative position bias inside attention",
+    "modernbert": "ModernBERT's rotary, gated and alternating local/global layers are not converted yet",
+    "funnel": "Funnel-Transformer pools the sequence between blocks",
+    "longformer": "Longformer's sliding-window and global attention need their own attention masks",
+    "big_bird": "BigBird's block-sparse attention is not BERT's dense attention",
+    "nomic_bert": "NomicBERT's rotary positions and SwiGLU layers are not converted yet",
 }
 
 # Fields that mean the same in BertConfig and EncoderStackConfig.
@@ -125,12 +336,6 @@ BERT_FIELDS = (
     "problem_type",
 )
 
-# Keys of a BERT checkpoint that are deliberately not converted, with the reason recorded in conversion.json.
-SKIPPED_KEYS = {
-    "embeddings.position_ids": "buffer: EncoderStack computes positions instead of storing them",
-    "cls.predictions.decoder.bias": "same tensor as cls.predictions.bias (BERT ties the two)",
-}
-
 _PLACEHOLDERS = {"i": r"(?P<i>\d+)", "p": r"(?P<p>weight|bias)"}
 
 
@@ -153,11 +358,11 @@ def translate(key: str, pairs, reverse: bool = False) -> str | None:
 
 def task_for_architecture(architecture: str) -> tuple[str, Task]:
     """('bert', Task) for 'BertForMaskedLM' and the like; ConversionError for anything else."""
-    for family, (prefix, _) in FAMILIES.items():
+    for name, family in FAMILIES.items():
         for task in TASKS.values():
-            if architecture == prefix + task.bert_suffix:
-                return family, task
-    known = sorted(prefix + t.bert_suffix for prefix, _ in FAMILIES.values() for t in TASKS.values())
+            if family.has(task) and architecture == family.architecture_prefix + task.bert_suffix:
+                return name, task
+    known = sorted(f.architecture_prefix + t.bert_suffix for f in FAMILIES.values() for t in TASKS.values() if f.has(t))
     raise ConversionError(f"architecture {architecture!r} cannot be converted; supported: {', '.join(known)}")
 
 

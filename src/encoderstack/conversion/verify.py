@@ -50,15 +50,25 @@ def sample_batches(folder, config, multiple_choice: bool, source=None) -> list[d
                 f"{config.vocab_size}: its vocabulary does not belong to these weights"
             )
     else:
-        generator = torch.Generator().manual_seed(0)
-        lengths = torch.tensor([12, 5, 9, 1])
-        ids = torch.randint(1, config.vocab_size, (4, 12), generator=generator)
-        mask = (torch.arange(12) < lengths[:, None]).long()
-        types = ((torch.arange(12) >= lengths[:, None] // 2) & mask.bool()).long() % config.type_vocab_size
-        batches = [{"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": types}]
+        batches = [random_batch(config)]
     if multiple_choice:  # consecutive rows become the choices of one question
         batches = [{key: value.view(-1, 2, value.shape[-1]) for key, value in batch.items()} for batch in batches]
     return batches
+
+
+def random_batch(config) -> dict:
+    """Right-padded random ids, padding at `pad_token_id` and no real token equal to it (RoBERTa's reference counts
+    positions by the ids), with a second segment where the model has token types."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([12, 5, 9, 1])
+    pad = config.pad_token_id or 0
+    ids = torch.randint(0, config.vocab_size - 1, (4, 12), generator=generator)
+    ids = ids + (ids >= pad).long()  # every id but the pad id
+    mask = (torch.arange(12) < lengths[:, None]).long()
+    batch = {"input_ids": ids.masked_fill(mask == 0, pad), "attention_mask": mask}
+    if config.type_vocab_size > 1:
+        batch["token_type_ids"] = ((torch.arange(12) >= lengths[:, None] // 2) & mask.bool()).long()
+    return batch
 
 
 def run(model, batches, backend) -> list[dict]:
@@ -153,7 +163,7 @@ def verify_against_google_bert(tensors, conversion, folder) -> dict:
 
 def verify_folder(reference_folder, conversion, folder) -> dict:
     """Load the reference and the converted model in turn (never both at once) on eager and SDPA; compare."""
-    prefix = FAMILIES[conversion.family][0]
+    prefix = FAMILIES[conversion.family].architecture_prefix
     reference_class = getattr(transformers, prefix + conversion.task.bert_suffix)
     batches = sample_batches(folder, conversion.config, conversion.task.name == "multiple-choice", reference_folder)
     skip = skipped_outputs(conversion)

@@ -29,6 +29,7 @@ HEADS = {
     "EncoderStackForTokenClassification": ("token-classification", "token classifier"),
     "EncoderStackForQuestionAnswering": ("question-answering", "extractive question-answering model"),
     "EncoderStackForMultipleChoice": (None, "multiple-choice model"),
+    "EncoderStackForReplacedTokenDetection": (None, "replaced-token detector (ELECTRA's discriminator)"),
 }
 AUTO_CLASSES = {reference.split(".")[-1]: auto_name for auto_name, reference in AUTO_MAP.items()}
 PLACEMENT_TAGS = {
@@ -101,7 +102,10 @@ def architecture_rows(config: EncoderStackConfig, class_name: str) -> list[tuple
         "rope": f"rotary, θ = {config.rope_theta:g}",
     }[config.position_embedding_type]
     return [
-        ("class", f"`{class_name}` (loads with `{AUTO_CLASSES[class_name]}`)"),
+        (
+            "class",
+            f"`{class_name}`" + (f" (loads with `{AUTO_CLASSES[class_name]}`)" if class_name in AUTO_CLASSES else ""),
+        ),
         ("norm placement", f"`{config.norm_placement}`: {PLACEMENT_EQUATIONS[config.norm_placement]}"),
         ("layers", config.num_hidden_layers),
         ("hidden size", config.hidden_size),
@@ -146,7 +150,8 @@ def build_card(folder, repo_id: str | None = None, extra_tags=()) -> ModelCard:
     pipeline_tag, description = HEADS[class_name]
     tags = ["encoderstack", PLACEMENT_TAGS[config.norm_placement]]
     if conversion is not None:
-        tags.append("megatron-bert" if (conversion.get("source_architecture") or "").startswith("Megatron") else "bert")
+        megatron = (conversion.get("source_architecture") or "").startswith("Megatron")
+        tags.append(conversion.get("source_family") or ("megatron-bert" if megatron else "bert"))
     card_data = ModelCardData(
         library_name="transformers",
         pipeline_tag=pipeline_tag,
@@ -167,7 +172,7 @@ def build_card(folder, repo_id: str | None = None, extra_tags=()) -> ModelCard:
         description=description,
         config=config,
         class_name=class_name,
-        auto_class=AUTO_CLASSES[class_name],
+        auto_class=AUTO_CLASSES.get(class_name),
         architecture=architecture_rows(config, class_name),
         has_tokenizer=has_tokenizer(folder),
         conversion=provenance(conversion) if conversion is not None else None,

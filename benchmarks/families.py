@@ -1,0 +1,89 @@
+"""The BERT family's inference: EncoderStack padding-free against each family's own transformers class (SDPA) on the
+same weights and batch, as ratios in one run, on full, uniform and real-text lengths.
+
+    python benchmarks/families.py                  # minilm-sized random models, 32x128 (about 10 minutes on CPU)
+    python benchmarks/families.py --quick          # 3 rounds
+"""
+
+import common
+import torch
+from common import encoderstack, transformers
+
+FAMILIES = {  # model_type -> its transformers class
+    "bert": "BertModel",
+    "roberta": "RobertaModel",
+    "xlm-roberta": "XLMRobertaModel",
+    "roberta-prelayernorm": "RobertaPreLayerNormModel",
+    "xlm-roberta-xl": "XLMRobertaXLModel",
+    "electra": "ElectraModel",
+    "distilbert": "DistilBertModel",
+}
+MINILM = {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12, "intermediate_size": 1536}
+
+
+def family_pair(family, spec, max_length, folder):
+    """A random model of the family's class and EncoderStack's conversion of it (on the fly), both SDPA, eval."""
+    fields = {"vocab_size": 30522, **(MINILM if spec == "minilm" else spec)}
+    fields["max_position_embeddings"] = max(fields.get("max_position_embeddings", 0), max_length + 2)
+    config = transformers.AutoConfig.for_model(
+        family, **fields, hidden_dim=fields["intermediate_size"], embedding_size=fields["hidden_size"] // 2
+    )
+    torch.manual_seed(0)
+    reference = getattr(transformers, FAMILIES[family])(config)
+    reference.save_pretrained(folder)
+    ours = encoderstack.EncoderStackModel.from_pretrained(folder)
+    return tuple(common.with_backend(model.eval(), "sdpa") for model in (reference, ours))
+
+
+def main():
+    parser = common.common_arguments(__doc__.splitlines()[0], sizes="32x128", models="minilm")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated model types")
+    args = parser.parse_args()
+    iterations = args.iterations or (3 if args.quick else 5)
+    common.setup(args)
+    common.header("families", args.device)
+    tokenizer = common.tokenizer()
+    rows = []
+    for spec in common.parse_models(args.models):
+        for batch_size, max_length in common.parse_sizes(args.sizes):
+            for family in args.families.split(","):
+                with common.scratch_folder() as folder:
+                    reference, ours = (
+                        common.place(m, args.device) for m in family_pair(family, spec, max_length, folder)
+                    )
+                for workload in common.WORKLOADS:
+                    lengths, width, batch, _ = common.workload_batch(
+                        workload, batch_size, max_length, ours.config.vocab_size, tokenizer, args.seed, args.device
+                    )
+                    with torch.inference_mode():
+                        seconds, _ = common.interleave(
+                            {"reference": lambda: reference(**batch), "ours": lambda: ours(**batch)},
+                            iterations,
+                            args.device,
+                            64,
+                        )
+                    ideal = batch_size * width / sum(lengths)
+                    speedup = seconds["reference"] / seconds["ours"]
+                    rows.append(
+                        [
+                            common.model_name(spec),
+                            family,
+                            FAMILIES[family],
+                            f"{batch_size}x{width}",
+                            workload,
+                            f"{sum(lengths) / (batch_size * width):.0%}",
+                            f"{speedup:.2f}",
+                            f"{ideal:.2f}",
+                            f"{speedup / ideal:.0%}",
+                        ]
+                    )
+    print(f"{iterations} interleaved rounds per cell, medians; both SDPA, same weights, same batch")
+    common.print_table(
+        rows,
+        ["model", "family", "reference", "batch", "lengths", "real", "padding-free speed-up", "ideal", "of ideal"],
+    )
+    print(f"reproduce: {common.command_line()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""The BERT family converts with parity: the conversion matrix (family x head x backend x padding side) against each
+family's own transformers class, built tiny and random (no download): RoBERTa, XLM-R, CamemBERT, the pre-LN RoBERTas,
+ELECTRA (narrower embeddings, its discriminator and generator) and DistilBERT."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from conftest import real
+from safetensors.torch import load_file
+
+import encoderstack
+
+FAMILIES = {  # model_type -> the prefix of its transformers classes
+    "roberta": "Roberta",
+    "xlm-roberta": "XLMRoberta",
+    "camembert": "Camembert",
+    "roberta-prelayernorm": "RobertaPreLayerNorm",
+    "xlm-roberta-xl": "XLMRobertaXL",
+    "electra": "Electra",
+    "distilbert": "DistilBert",
+}
+OFFSET_FAMILIES = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "xlm-roberta-xl")
+SUFFIXES = (
+    "Model",
+    "ForMaskedLM",
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForQuestionAnswering",
+    "ForMultipleChoice",
+)
+MATRIX = [(family, suffix) for family in FAMILIES for suffix in SUFFIXES] + [("electra", "ForPreTraining")]
+OUTPUTS = ("last_hidden_state", "pooler_output", "logits", "start_logits", "end_logits")
+PAD = 1  # RoBERTa's pad_token_id: positions count from 2
+
+
+def family_folder(folder, family, suffix, seed=0):
+    """A randomly initialized model of the family's own class, saved as a checkpoint folder."""
+    config = transformers.AutoConfig.for_model(
+        family,
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=20,
+        type_vocab_size=1,
+        embedding_size=16,  # ELECTRA's: a projection to the hidden size
+        hidden_dim=37,  # DistilBERT's intermediate size
+        layer_norm_eps=1e-5,
+        pad_token_id=PAD,
+        num_labels=2 if suffix == "ForQuestionAnswering" else 3,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, FAMILIES[family] + suffix)(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():  # away from the init so that no weight is trivially 0 or 1
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(family, suffix) -> (reference, converted), each converted once for the whole matrix."""
+    cache = {}
+
+    def get(family, suffix):
+        if (family, suffix) not in cache:
+            root = tmp_path_factory.mktemp(f"{family}-{suffix}")
+            source = family_folder(root / "source", family, suffix)
+            folder = encoderstack.convert(source, root / "out", verify=False)
+            reference = getattr(transformers, FAMILIES[family] + suffix).from_pretrained(source).eval()
+            class_name = json.loads((folder / "config.json").read_text())["architectures"][0]
+            cache[family, suffix] = reference, getattr(encoderstack, class_name).from_pretrained(folder).eval()
+        return cache[family, suffix]
+
+    return get
+
+
+def right_padded_batch(suffix):
+    """Ids that are never the pad id (RoBERTa's reference counts positions by the ids), padding at the pad id, and
+    every label the head takes (-100 at padding; one per row for sequence-level heads)."""
+    generator = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([10, 6, 3, 8])
+    mask = (torch.arange(10) < lengths[:, None]).long()
+    ids = torch.randint(PAD + 1, 99, (4, 10), generator=generator).masked_fill(mask == 0, PAD)
+    per_token = torch.randint(0, 3, (4, 10), generator=generator).masked_fill(mask == 0, -100)
+    per_row = torch.randint(0, 2, (4,), generator=generator)
+    labels = {
+        "Model": {},
+        "ForMaskedLM": {"labels": per_token},
+        "ForSequenceClassification": {"labels": per_row},
+        "ForTokenClassification": {"labels": per_token},
+        "ForQuestionAnswering": {
+            "start_positions": torch.tensor([1, 0, 2, 5]),
+            "end_positions": torch.tensor([3, 5, 2, 7]),
+        },
+        "ForMultipleChoice": {"labels": per_row[:2]},
+        "ForPreTraining": {"labels": torch.randint(0, 2, (4, 10), generator=generator)},  # replaced or not
+    }[suffix]
+    return {"input_ids": ids, "attention_mask": mask}, labels
+
+
+def to_left(inputs, labels):
+    """The same rows with their padding moved to the front; per-token labels move with their tokens, span positions
+    shift by the padding put before them."""
+    shifts = (inputs["attention_mask"].shape[-1] - inputs["attention_mask"].sum(-1)).tolist()
+    roll = lambda t: torch.stack([row.roll(shift) for row, shift in zip(t, shifts)])  # noqa: E731
+    left = {key: roll(value) for key, value in inputs.items()}
+    moved = {}
+    for key, value in labels.items():
+        if value.dim() == 2:
+            moved[key] = roll(value)
+        elif key.endswith("_positions"):
+            moved[key] = value + torch.tensor(shifts)
+        else:
+            moved[key] = value
+    return left, moved
+
+
+def as_choices(suffix, inputs):
+    return {k: v.view(2, 2, -1) for k, v in inputs.items()} if suffix == "ForMultipleChoice" else inputs
+
+
+def reference_choices(family, suffix, inputs):
+    """`as_choices`, except that DistilBertForMultipleChoice flattens every input but `position_ids`: it takes them
+    flat, one row per choice (given per choice, its embeddings fail to broadcast)."""
+    choices = as_choices(suffix, inputs)
+    if family == "distilbert" and "position_ids" in inputs:
+        choices["position_ids"] = inputs["position_ids"]
+    return choices
+
+
+def main_outputs(outputs, mask):
+    return {name: real(getattr(outputs, name), mask) for name in OUTPUTS if getattr(outputs, name, None) is not None}
+
+
+def bert_positions_of_left_padding(inputs):
+    """The positions BERT-style families give the tokens of the left-padded rows (counted along the row)."""
+    shifts = inputs["attention_mask"].shape[-1] - inputs["attention_mask"].sum(-1, keepdim=True)
+    return torch.arange(inputs["attention_mask"].shape[-1]) + shifts
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize(("family", "suffix"), MATRIX)
+def test_every_family_head_backend_and_padding_side_converts_with_parity(converted, family, suffix, backend, side):
+    """The reference runs right-padded (under left padding it would pool a padding token), where BERT-style positions
+    are given the values they have in the left-padded rows; ours runs on `side`, once recording hidden states and
+    attentions (the padded path) and once without (padding-free), with labels."""
+    reference, ours = converted(family, suffix)
+    reference.set_attn_implementation(backend)
+    ours.set_attn_implementation(backend)
+    inputs, labels = right_padded_batch(suffix)
+    mask = inputs["attention_mask"].bool()
+    mine, my_labels = (inputs, labels) if side == "right" else to_left(inputs, labels)
+    my_mask = mine["attention_mask"].bool()
+    if side == "left" and family not in OFFSET_FAMILIES:
+        inputs = {**inputs, "position_ids": bert_positions_of_left_padding(inputs)}
+    eager = backend == "eager"
+    with torch.no_grad():
+        record = {"output_hidden_states": True, "output_attentions": eager}
+        expected = reference(**reference_choices(family, suffix, inputs), **labels, **record)
+        recorded = ours(**as_choices(suffix, mine), **my_labels, **record)
+        free = ours(**as_choices(suffix, mine), **my_labels)
+    want = main_outputs(expected, mask)
+    for actual in (recorded, free):
+        got = main_outputs(actual, my_mask)
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)
+    for a, e in zip(recorded.hidden_states, expected.hidden_states, strict=True):
+        torch.testing.assert_close(real(a, my_mask), real(e, mask), atol=1e-5, rtol=0)
+    if eager:
+        for a, e in zip(recorded.attentions, expected.attentions, strict=True):
+            for row in range(mask.shape[0]):  # real queries and real keys, in the same order on either side
+                mine_row = a[row][:, my_mask[row]][:, :, my_mask[row]]
+                torch.testing.assert_close(mine_row, e[row][:, mask[row]][:, :, mask[row]], atol=1e-5, rtol=0)
+    if labels and suffix != "ForQuestionAnswering":  # BERT-style QA takes span logits at padding into its loss
+        torch.testing.assert_close(free.loss, expected.loss, atol=1e-5, rtol=0, msg="loss")
+        torch.testing.assert_close(recorded.loss, expected.loss, atol=1e-5, rtol=0, msg="loss")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_question_answering_loss_without_padding_equals_the_familys(converted, family):
+    reference, ours = converted(family, "ForQuestionAnswering")
+    inputs, labels = right_padded_batch("ForQuestionAnswering")
+    full = {"input_ids": inputs["input_ids"].masked_fill(inputs["input_ids"] == PAD, 5)}
+    with torch.no_grad():
+        torch.testing.assert_close(ours(**full, **labels).loss, reference(**full, **labels).loss, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("suffix", ["Model", "ForTokenClassification", "ForMaskedLM"])
+@pytest.mark.parametrize("family", ["roberta", "xlm-roberta-xl"])
+def test_flattened_rows_give_each_sequence_what_the_familys_class_gives_it_alone(converted, family, suffix):
+    reference, ours = converted(family, suffix)
+    ids = torch.randint(PAD + 1, 99, (1, 12), generator=torch.Generator().manual_seed(7))
+    bounds = (0, 5, 7, 12)
+    with torch.no_grad():
+        flattened = ours(input_ids=ids, cu_seq_lens_q=torch.tensor(bounds), max_length_q=5)
+        name = "last_hidden_state" if suffix == "Model" else "logits"
+        alone = [getattr(reference(input_ids=ids[:, a:b]), name)[0] for a, b in zip(bounds, bounds[1:])]
+    torch.testing.assert_close(getattr(flattened, name)[0], torch.cat(alone), atol=1e-5, rtol=0)
+
+
+def test_the_conversion_accounts_for_every_roberta_tensor_and_records_the_family_and_parity(tmp_path):
+    source = family_folder(tmp_path / "roberta", "roberta", "ForMaskedLM")
+    folder = encoderstack.convert(source, tmp_path / "out")
+    report = json.loads((folder / "conversion.json").read_text())
+    assert set(report["mapped"]) | set(report["skipped"]) == set(load_file(source / "model.safetensors"))
+    assert report["source_family"] == "roberta" and report["source_architecture"] == "RobertaForMaskedLM"
+    rows = report["parity"]["results"]
+    assert set(rows) == {"eager", "sdpa"} and all(r["max_abs_diff"] <= 1e-5 for v in rows.values() for r in v)
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["position_offset"], config["head_layout"], config["layer_norm_eps"]) == (2, "roberta", 1e-5)
+    card = (folder / "README.md").read_text()
+    assert "RobertaForMaskedLM" in card and "- roberta" in card
+
+
+def test_from_pretrained_converts_a_roberta_folder_on_the_fly(tmp_path):
+    source = family_folder(tmp_path / "roberta", "xlm-roberta", "ForSequenceClassification")
+    ours = encoderstack.EncoderStackForSequenceClassification.from_pretrained(source).eval()
+    reference = transformers.XLMRobertaForSequenceClassification.from_pretrained(source).eval()
+    inputs, _ = right_padded_batch("ForSequenceClassification")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(**inputs).logits, reference(**inputs).logits, atol=1e-5, rtol=0)
+    assert {path.name for path in tmp_path.iterdir()} == {"roberta"}
+
+
+def test_a_roberta_checkpoint_refuses_a_head_its_family_does_not_have(tmp_path):
+    source = family_folder(tmp_path / "roberta", "roberta", "ForMaskedLM")
+    with pytest.raises(encoderstack.ConversionError, match="a roberta checkpoint has no 'pretraining' head"):
+        encoderstack.convert(source, tmp_path / "out", task="pretraining")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [
+        ("albert", "ALBERT shares one set of layer weights"),
+        ("deberta-v2", "disentangled attention"),
+        ("mpnet", "relative position bias"),
+        ("gpt2", "is not a BERT-family checkpoint"),
+    ],
+)
+def test_families_it_cannot_express_are_refused_with_the_family_and_the_reason(tmp_path, model_type, reason):
+    source = family_folder(tmp_path / "roberta", "roberta", "Model")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "model_type": model_type, "architectures": None}))
+    with pytest.raises(encoderstack.ConversionError, match=f"model_type '{model_type}'.*{reason}"):
+        encoderstack.convert(source, tmp_path / "out")
+
+
+def test_a_distilbert_with_fixed_sinusoidal_positions_converts_its_stored_table_with_parity(tmp_path):
+    source = family_folder(tmp_path / "distilbert", "distilbert", "ForMaskedLM")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "sinusoidal_pos_embds": True}))
+    reference = transformers.DistilBertForMaskedLM.from_pretrained(source).eval()  # its table, as transformers fills it
+    reference.save_pretrained(source)
+    folder = encoderstack.convert(source, tmp_path / "out")
+    rows = json.loads((folder / "conversion.json").read_text())["parity"]["results"]
+    assert all(row["max_abs_diff"] <= 1e-5 for backend in rows.values() for row in backend)
+    ours = encoderstack.EncoderStackForMaskedLM.from_pretrained(folder)
+    torch.testing.assert_close(
+        ours.model.embeddings.position_embeddings.weight, reference.distilbert.embeddings.position_embeddings.weight
+    )
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_export_bert_takes_a_converted_roberta_back_to_robertas_own_class_with_identical_tensors(tmp_path, suffix):
+    source = family_folder(tmp_path / "roberta", "roberta", suffix)
+    folder = encoderstack.convert(source, tmp_path / "es", verify=False)
+    back = encoderstack.export_bert(folder, tmp_path / "back")
+    assert json.loads((back / "config.json").read_text())["architectures"] == ["Roberta" + suffix]
+    original = getattr(transformers, "Roberta" + suffix).from_pretrained(source).state_dict()
+    exported = getattr(transformers, "Roberta" + suffix).from_pretrained(back).state_dict()
+    assert original.keys() == exported.keys()
+    for key in original:
+        assert torch.equal(original[key], exported[key]), key
+
+
+def test_export_bert_refuses_a_layout_neither_bert_nor_roberta_has(tmp_path):
+    folder = encoderstack.convert(
+        family_folder(tmp_path / "electra", "electra", "Model"), tmp_path / "es", verify=False
+    )
+    with pytest.raises(encoderstack.ConversionError, match="head_layout 'electra' is exported to neither"):
+        encoderstack.export_bert(folder, tmp_path / "back")
+    assert not (tmp_path / "back").exists()
+
+
+def byte_level_bpe(folder):
+    """A small byte-level BPE tokenizer as RoBERTa's (specials <s> <pad> </s> <unk> <mask>: pad id 1), saved."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    texts = ["The quick brown fox jumps over the lazy dog.", "Normalization decides how gradients flow."] * 20
+    bpe.train_from_iterator(texts, vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer,
+        bos_token="<s>",
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        mask_token="<mask>",
+    )
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def test_a_bpe_tokenizer_travels_with_the_folder_and_fill_mask_works_on_it(tmp_path):
+    config = transformers.RobertaConfig(
+        vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=200, type_vocab_size=1, pad_token_id=PAD,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.RobertaForMaskedLM(config).save_pretrained(tmp_path / "roberta")
+    byte_level_bpe(tmp_path / "roberta")
+    folder = encoderstack.convert(tmp_path / "roberta", tmp_path / "out")
+    report = json.loads((folder / "conversion.json").read_text())
+    assert report["parity"]["inputs"].startswith("tokenizer")  # parity measured on real text
+    assert (folder / "tokenizer.json").read_text() == (tmp_path / "roberta" / "tokenizer.json").read_text()
+    fill = transformers.pipeline("fill-mask", model=str(folder))
+    reference = transformers.pipeline("fill-mask", model=str(tmp_path / "roberta"))
+    text = "The quick brown <mask> jumps."
+    assert [p["token"] for p in fill(text)] == [p["token"] for p in reference(text)]
+
+
+def test_a_converted_roberta_exports_to_onnx_where_left_padding_gives_the_right_padded_logits(tmp_path):
+    import onnxruntime
+
+    from encoderstack.export_onnx import run_onnx
+
+    source = family_folder(tmp_path / "roberta", "roberta", "ForSequenceClassification")
+    folder = encoderstack.convert(source, tmp_path / "es", verify=False)
+    exported = encoderstack.export_onnx(folder, tmp_path / "onnx")
+    rows = json.loads((exported / "export.json").read_text())["parity"]["results"]["onnxruntime"]
+    assert all(row["max_abs_diff"] <= 1e-5 for row in rows)
+    session = onnxruntime.InferenceSession(str(exported / "model.onnx"))
+    right, _ = right_padded_batch("ForSequenceClassification")
+    left, _ = to_left(right, {})
+    logits = [
+        run_onnx(session, {**b, "token_type_ids": torch.zeros_like(b["input_ids"])})["logits"] for b in (right, left)
+    ]
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+    with torch.no_grad():
+        expected = transformers.RobertaForSequenceClassification.from_pretrained(source).eval()(**right).logits
+    torch.testing.assert_close(logits[0], expected, atol=1e-5, rtol=0)

@@ -1,0 +1,145 @@
+"""The config fields that let one model express the BERT family: a position offset that counts real tokens only, no
+token types, an embedding projection, and the head layouts. Parity with each family's own class is in
+test_convert_family.py; here, the mechanisms themselves, on every execution path."""
+
+import pytest
+import torch
+from conftest import HEADS, batch, build, head_inputs
+from test_left_padding import left_padded
+
+import encoderstack
+
+ROBERTA = {"position_offset": 2, "pad_token_id": 1, "type_vocab_size": 1, "head_layout": "roberta"}
+
+
+def right_and_left(inputs):
+    left = left_padded(inputs)
+    del left["position_ids"]  # the model counts positions itself
+    return inputs, left
+
+
+def per_token(model, inputs, **kwargs):
+    out = model(**inputs, output_hidden_states=False, **kwargs)
+    return out.last_hidden_state[inputs["attention_mask"].bool()]
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_with_a_position_offset_left_padding_gives_the_right_padded_outputs(padding_free):
+    model = build(encoderstack.EncoderStackModel, **ROBERTA)
+    inputs = {key: value for key, value in batch().items() if key != "token_type_ids"}
+    right, left = right_and_left(inputs)
+    torch.testing.assert_close(
+        per_token(model, left, padding_free=padding_free), per_token(model, right), atol=1e-5, rtol=0
+    )
+    pooled = [model(**x, padding_free=padding_free).pooler_output for x in (left, right)]
+    torch.testing.assert_close(*pooled, atol=1e-5, rtol=0)
+
+
+def test_without_an_offset_positions_count_along_the_row_as_bert():
+    model = build(encoderstack.EncoderStackModel)
+    inputs = batch()
+    right, left = right_and_left(inputs)
+    assert not torch.allclose(per_token(model, left, padding_free=False), per_token(model, right), atol=1e-3)
+
+
+def test_a_position_offset_counts_from_the_offset_in_each_sequence_alone_and_in_flattened_rows():
+    model = build(encoderstack.EncoderStackModel, **ROBERTA)
+    ids = torch.randint(2, 99, (1, 9), generator=torch.Generator().manual_seed(3))
+    alone = [model(input_ids=ids[:, a:b]).last_hidden_state[0] for a, b in ((0, 4), (4, 9))]
+    flattened = model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, 4, 9]), max_length_q=5).last_hidden_state[0]
+    torch.testing.assert_close(flattened, torch.cat(alone), atol=1e-5, rtol=0)
+    explicit = model(input_ids=ids[:, :4], position_ids=torch.arange(2, 6)[None]).last_hidden_state[0]
+    torch.testing.assert_close(explicit, alone[0], atol=1e-6, rtol=0)
+
+
+def test_position_ids_below_the_offset_are_refused_and_the_length_limit_counts_the_offset():
+    model = build(encoderstack.EncoderStackModel, **ROBERTA)
+    with pytest.raises(ValueError, match=r"`position_ids` must lie in \[2, 63\], got values from 0 to 3"):
+        model(input_ids=torch.ones(1, 4, dtype=torch.long) + 2, position_ids=torch.arange(4)[None])
+    with pytest.raises(ValueError, match="Sequence length 63 exceeds the 62 learned positions"):
+        model(input_ids=torch.full((1, 63), 5))
+
+
+def test_without_token_types_the_model_has_no_table_and_takes_type_zero_only():
+    model = build(encoderstack.EncoderStackModel, type_vocab_size=0)
+    assert model.embeddings.token_type_embeddings is None
+    inputs = batch()
+    types = inputs.pop("token_type_ids")
+    zeros = model(**inputs, token_type_ids=torch.zeros_like(types)).last_hidden_state
+    torch.testing.assert_close(zeros, model(**inputs).last_hidden_state, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"`token_type_ids` must lie in \[0, 0\]"):
+        model(**inputs, token_type_ids=types)
+
+
+def test_a_narrower_embedding_is_projected_and_the_masked_lm_head_predicts_at_its_width():
+    model = build(encoderstack.EncoderStackForMaskedLM, embedding_size=16)
+    assert model.model.embeddings.word_embeddings.weight.shape == (99, 16)
+    assert model.model.embeddings.project.weight.shape == (32, 16)
+    assert model.lm_head.dense.weight.shape == (16, 32) and model.lm_head.decoder.weight.shape == (99, 16)
+    assert model.lm_head.decoder.weight is model.model.embeddings.word_embeddings.weight
+    inputs = batch()
+    padded = model(**inputs, padding_free=False).logits
+    free = model(**inputs).logits
+    mask = inputs["attention_mask"].bool()
+    torch.testing.assert_close(free[mask], padded[mask], atol=1e-5, rtol=0)
+    embeds = model.model.embeddings.word_embeddings(inputs["input_ids"])
+    from_embeds = model(
+        inputs_embeds=embeds, attention_mask=inputs["attention_mask"], token_type_ids=inputs["token_type_ids"]
+    )
+    torch.testing.assert_close(from_embeds.logits[mask], free[mask], atol=1e-5, rtol=0)
+
+
+LAYOUT_PARTS = {  # layout -> (sequence classification, multiple choice): the activation on the first token or pooler
+    "bert": ("pooler", "pooler"),
+    "roberta": ("tanh", "pooler"),
+    "electra": ("gelu", "gelu"),
+    "distilbert": ("relu", "relu"),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUT_PARTS)
+def test_each_head_layout_builds_its_sequence_heads_from_its_row_of_parts(layout):
+    for model_class, expected in zip(
+        (encoderstack.EncoderStackForSequenceClassification, encoderstack.EncoderStackForMultipleChoice),
+        LAYOUT_PARTS[layout],
+    ):
+        model = build(model_class, head_layout=layout)
+        assert (model.model.pooler is not None) == (expected == "pooler")
+        assert hasattr(model, "pre_classifier") == (expected != "pooler")
+        if expected != "pooler":
+            first = torch.randn(2, 32)
+            expected_features = encoderstack.modeling_encoderstack.ACT2FN[expected](model.pre_classifier(first))
+            torch.testing.assert_close(model.pre_classifier_act(model.pre_classifier(first)), expected_features)
+
+
+@pytest.mark.parametrize("model_class", HEADS, ids=lambda c: c.__name__)
+def test_every_head_of_the_roberta_layout_agrees_between_padded_and_padding_free(model_class):
+    model = build(model_class, **ROBERTA)
+    inputs = head_inputs(model_class, {k: v for k, v in batch().items() if k != "token_type_ids"})
+    padded, free = (model(**inputs, padding_free=flag) for flag in (False, True))
+    mask = inputs["attention_mask"].reshape(-1, inputs["attention_mask"].shape[-1]).bool()
+    for name in ("logits", "prediction_logits", "start_logits", "last_hidden_state", "seq_relationship_logits"):
+        if getattr(padded, name, None) is not None:
+            a, b = getattr(padded, name), getattr(free, name)
+            if a.dim() >= 2 and a.shape[:2] == mask.shape:
+                a, b = a[mask], b[mask]
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["electra", "distilbert"])
+def test_a_layout_without_a_pooler_refuses_the_next_sentence_pre_training_head_and_names_electras(layout):
+    with pytest.raises(ValueError, match="is EncoderStackForReplacedTokenDetection"):
+        build(encoderstack.EncoderStackForPreTraining, head_layout=layout)
+    assert build(encoderstack.EncoderStackModel, head_layout=layout).pooler is None
+
+
+def test_the_replaced_token_detector_scores_every_token_and_its_loss_counts_real_tokens_only():
+    model = build(encoderstack.EncoderStackForReplacedTokenDetection, head_layout="electra", embedding_size=16)
+    inputs = batch()
+    labels = torch.randint(0, 2, inputs["input_ids"].shape, generator=torch.Generator().manual_seed(4))
+    out = model(**inputs, labels=labels)
+    real = inputs["attention_mask"].bool()
+    expected = torch.nn.functional.binary_cross_entropy_with_logits(out.logits[real], labels[real].float())
+    torch.testing.assert_close(out.loss, expected)
+    padded = model(**inputs, labels=labels, padding_free=False)
+    torch.testing.assert_close(padded.logits[real], out.logits[real], atol=1e-5, rtol=0)
