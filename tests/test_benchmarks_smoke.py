@@ -26,7 +26,7 @@ RUNS = {
     "training.py": [*ONE_ROUND, "--sizes", "2x16", "--peak-size", "64"],
     "convert.py": [*ONE_ROUND, "--clock", "cpu"],
     "attention.py": [*ONE_ROUND, "--sizes", "2x16"],
-    "onnx.py": [*ONE_ROUND, "--sizes", "2x16"],
+    "deployment.py": [*ONE_ROUND, "--sizes", "2x16"],
     "sparse_mlm.py": [*ONE_ROUND, "--sizes", "2x16"],
     # real text: the tokenizer's ids need the real vocabulary
     "pretrain.py": [
