@@ -67,6 +67,8 @@ def main():
     iterations = args.iterations or (3 if args.quick else 5)
     common.setup(args)
     common.header("CPU inference paths", args.device)
+    # without AVX-512 BF16 or AMX, oneDNN has no bf16 matmul kernel and torch's fallback is several times slower
+    print(f"oneDNN bf16 kernels on this CPU: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
     tokenizer = common.tokenizer()
     rows = []
     for spec in common.parse_models(args.models):

@@ -65,6 +65,21 @@ def onnx_candidates(calibration: list[dict]) -> dict:
     }
 
 
+def openvino_candidates(calibration: list[dict]) -> dict:
+    from transformers.exporters import ExportFormat, NNCFOpenVINOQuantizer
+
+    def library(program):
+        with exporters.quiet():
+            return NNCFOpenVINOQuantizer(calibration_dataset=calibration).quantize(
+                program, calibration[0], ExportFormat.OPENVINO
+            )
+
+    return {
+        "NNCF quantize (transformer) on OpenVINO": library,
+        "export-openvino: NNCF on the MatMuls reading a LayerNorm": lambda p: exporters.nncf_int8(p, calibration)[0],
+    }
+
+
 def as_exported(program, like):
     from transformers.exporters import ExportedComponent, ExportedModel
 
@@ -111,10 +126,11 @@ def main():
         fp32["openvino"] = ExportedModel.from_pretrained(openvino, device="cpu", config={"INFERENCE_NUM_THREADS": 1})
         candidates = {"ORT fp32": fp32["onnx"], "OpenVINO fp32": fp32["openvino"]}
         for name, quantize in onnx_candidates(calibration).items():
-            with exporters.quiet(*exporters.LIBRARY_LOGGERS):
+            with exporters.quiet():
                 candidates[name] = as_exported(quantize(exporters.saved_program("onnx", onnx)), fp32["onnx"])
-        program, _, _ = exporters.nncf_int8(exporters.saved_program("openvino", openvino), calibration)
-        candidates["NNCF quantize (transformer) on OpenVINO"] = as_exported(program, fp32["openvino"])
+        for name, quantize in openvino_candidates(calibration).items():
+            program = quantize(exporters.saved_program("openvino", openvino))
+            candidates[name] = as_exported(program, fp32["openvino"])
         reference = {"onnx": [pooled(fp32["onnx"], b) for b in verification + held_out]}
         rows = []
         for name, model in candidates.items():
