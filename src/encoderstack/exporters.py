@@ -445,7 +445,7 @@ def smoothquant_int8(program, calibration: list[dict]) -> tuple[object, int, str
     """SmoothQuant, then ONNX Runtime's dynamic int8 (through transformers' `OnnxRuntimeQuantizer`) of the smoothed
     MatMuls only: the attention output and FFN down projections stay float32. Per-channel 7-bit weights
     (`reduce_range`): at 8 bits the smoothed weights saturate the int16 pair sums of AVX2's u8 x s8 kernel. It won
-    against the exporters' own quantizers (docs/benchmarks/onnx-quantizers.txt). Returns the quantized program, how
+    against the exporters' own quantizers (docs/benchmarks/int8-quantizers.txt). Returns the quantized program, how
     many MatMuls it quantized and how."""
     import onnx_ir
     from onnxruntime.quantization import QuantType
@@ -485,7 +485,7 @@ def reads_a_layer_norm(matmul) -> bool:
 def nncf_int8(program, calibration: list[dict]) -> tuple[object, int, str]:
     """NNCF's post-training int8 (transformer preset, with its own SmoothQuant) of the MatMuls that read a LayerNorm
     only, the rule SmoothQuant follows for ONNX: on all-MiniLM-L6-v2 NNCF on every MatMul keeps a worst-sentence
-    cosine of 0.962, on these 0.994 (docs/benchmarks/onnx-quantizers.txt)."""
+    cosine of 0.962, on these 0.994 (docs/benchmarks/int8-quantizers.txt)."""
     import nncf
     from transformers.exporters import ExportFormat, NNCFOpenVINOQuantizer, NNCFQuantizationConfig
 
