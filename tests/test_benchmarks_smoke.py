@@ -27,7 +27,7 @@ RUNS = {
     "convert.py": [*ONE_ROUND, "--clock", "cpu"],
     "attention.py": [*ONE_ROUND, "--sizes", "2x16"],
     "flex.py": [*ONE_ROUND, "--sizes", "2x16"],
-    "onnx.py": [*ONE_ROUND, "--sizes", "2x16"],
+    "deployment.py": [*ONE_ROUND, "--sizes", "2x16"],
     "sparse_mlm.py": [*ONE_ROUND, "--sizes", "2x16"],
     "families.py": [*ONE_ROUND, "--sizes", "2x16", "--families", "roberta,electra,distilbert"],
     # real text: the tokenizer's ids need the real vocabulary

@@ -10,7 +10,17 @@ import encoderstack
 from encoderstack.cli import build_parser, main
 from encoderstack.conversion import converter
 
-COMMANDS = ("convert", "finetune", "pretrain", "export-bert", "export-onnx", "card", "push", "diagnose")
+COMMANDS = (
+    "convert",
+    "finetune",
+    "pretrain",
+    "export-bert",
+    "export-onnx",
+    "export-openvino",
+    "card",
+    "push",
+    "diagnose",
+)
 SENTIMENT = "text,label\ngood film,pos\nbad film,neg\nfine film,pos\nawful film,neg\n"
 
 

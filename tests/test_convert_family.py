@@ -328,21 +328,18 @@ def test_a_bpe_tokenizer_travels_with_the_folder_and_fill_mask_works_on_it(tmp_p
 
 
 def test_a_converted_roberta_exports_to_onnx_where_left_padding_gives_the_right_padded_logits(tmp_path):
-    import onnxruntime
-
-    from encoderstack.export_onnx import run_onnx
+    from encoderstack.exporters import RECORD, load_exported
 
     source = family_folder(tmp_path / "roberta", "roberta", "ForSequenceClassification")
     folder = encoderstack.convert(source, tmp_path / "es", verify=False)
     exported = encoderstack.export_onnx(folder, tmp_path / "onnx")
-    rows = json.loads((exported / "export.json").read_text())["parity"]["results"]["onnxruntime"]
+    rows = json.loads((exported / RECORD).read_text())["parity"]["results"]["onnxruntime"]
     assert all(row["max_abs_diff"] <= 1e-5 for row in rows)
-    session = onnxruntime.InferenceSession(str(exported / "model.onnx"))
+    model = load_exported(exported)
     right, _ = right_padded_batch("ForSequenceClassification")
     left, _ = to_left(right, {})
-    logits = [
-        run_onnx(session, {**b, "token_type_ids": torch.zeros_like(b["input_ids"])})["logits"] for b in (right, left)
-    ]
+    logits = [model(**b, token_type_ids=torch.zeros_like(b["input_ids"]))["logits"] for b in (right, left)]
+    logits = [torch.as_tensor(logit) for logit in logits]
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
     with torch.no_grad():
         expected = transformers.RobertaForSequenceClassification.from_pretrained(source).eval()(**right).logits

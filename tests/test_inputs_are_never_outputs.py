@@ -39,6 +39,7 @@ NOT_PATHS = {
     },
     "export-bert": {"force"},
     "export-onnx": {"task", "opset", "quantize", "no_verify", "force"},
+    "export-openvino": {"task", "quantize", "no_verify", "force"},
     "diagnose": {
         "layers",
         "placements",
@@ -66,6 +67,7 @@ COMMAND_LINES = (
     "convert {bert} {out}",
     "export-bert {model} {out}",
     "export-onnx {model} {out}",
+    "export-openvino {model} {out}",
     "finetune --model {model} --train {train.csv} --eval {eval.csv} --output {out}",
     "pretrain --model {model} --train {train.txt} --eval {eval.txt} --output {out} --max-length 32",
     "pretrain --config {config.json} --tokenizer {model} --train {train.txt} --output {out} --max-length 32",

@@ -8,7 +8,7 @@ import transformers
 from . import modeling_encoderstack
 from .configuration_encoderstack import EncoderStackConfig
 from .conversion import ConversionError, convert, export_bert, load_converted
-from .export_onnx import ExportError, export_onnx
+from .exporters import ExportError, export, export_onnx, export_openvino
 from .hub import push_folder, push_model
 from .hub_card import HubError, build_card, write_card
 from .modeling_encoderstack import (
@@ -61,8 +61,10 @@ __all__ = [
     "OutputFolderError",
     "build_card",
     "convert",
+    "export",
     "export_bert",
     "export_onnx",
+    "export_openvino",
     "push_folder",
     "register",
     "write_card",

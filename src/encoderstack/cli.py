@@ -1,7 +1,7 @@
 """EncoderStack: BERT's encoder stack with the normalization placement as a config choice. Convert a BERT checkpoint
 (folder, Hub id or Google TensorFlow release; by default the embedded all-MiniLM-L6-v2) and verify it against
-transformers, fine-tune or pre-train it, export it back to BERT or to ONNX, write its model card and push it to the
-Hub, and diagnose how each normalization placement trains."""
+transformers, fine-tune or pre-train it, export it back to BERT, to ONNX or to OpenVINO, write its model card and push
+it to the Hub, and diagnose how each normalization placement trains."""
 
 import argparse
 import json
@@ -75,8 +75,8 @@ def export_command(args) -> int:
     return 0
 
 
-def quantization_table(quantization: dict) -> str:
-    lines = [f"int8 ({quantization['file']}) against float32 in ONNX Runtime ({quantization['inputs']})"]
+def quantization_table(quantization: dict, runtime: str) -> str:
+    lines = [f"int8 ({quantization['folder']}/) against float32 in {runtime} ({quantization['inputs']})"]
     for row in quantization["results"]:
         agreement = f", argmax agreement {row['argmax_agreement']:.1%}" if "argmax_agreement" in row else ""
         lines.append(f"  {row['output']}: cosine min {row['min_cosine']:.4f}, mean {row['mean_cosine']:.4f}{agreement}")
@@ -85,29 +85,53 @@ def quantization_table(quantization: dict) -> str:
     return "\n".join(lines)
 
 
-def export_onnx_command(args) -> int:
-    from . import export_onnx
+def exported_command(args) -> int:
+    from .exporters import RECORD, export
 
-    folder = export_onnx(
+    options = {"opset": args.opset} if args.format == "onnx" else {}
+    folder = export(
         args.model,
         args.output,
+        args.format,
         task=args.task,
-        opset=args.opset,
         quantize=args.quantize,
         verify=not args.no_verify,
         force=args.force,
+        **options,
     )
-    report = json.loads((folder / "export.json").read_text())
-    print(f"exported {args.model} -> {folder / 'model.onnx'}")
+    record = json.loads((folder / RECORD).read_text())
+    print(f"exported {args.model} -> {folder} ({record['runtime']}; ExportedModel.from_pretrained loads it)")
+    opset = f"opset {record['opset']}, " if "opset" in record else ""
     print(
-        f"  {report['encoderstack_class']} (norm_placement={report['norm_placement']}), opset {report['opset']}, "
-        f"{report['graph']}; outputs: {', '.join(report['outputs'])}"
+        f"  {record['encoderstack_class']} (norm_placement={record['norm_placement']}), {opset}"
+        f"{record['graph']}; outputs: {', '.join(record['outputs'])}"
     )
-    if "parity" in report:
-        print(parity_table(report["parity"]))
-    if "quantization" in report:
-        print(quantization_table(report["quantization"]))
+    if "parity" in record:
+        print(parity_table(record["parity"]))
+    if "quantization" in record:
+        print(quantization_table(record["quantization"], record["runtime"]))
     return 0
+
+
+def add_export_command(commands, format_name: str, runtime: str, quantizer: str) -> None:
+    """`export-onnx` and `export-openvino`: the same options (ONNX's opset aside), one function behind them."""
+    from .conversion import TASKS
+
+    command = commands.add_parser(
+        f"export-{format_name}",
+        help=f"export to {runtime}'s format through transformers.exporters (padded path) and verify it there",
+    )
+    command.add_argument("model", help="EncoderStack folder")
+    command.add_argument("output", help="output folder (what transformers' ExportedModel.from_pretrained loads)")
+    command.add_argument("--task", choices=sorted(TASKS), help="head to load (default: the folder's architecture)")
+    if format_name == "onnx":
+        command.add_argument("--opset", type=int, help="ONNX opset, 18 to 25 (default: torch.onnx's)")
+    command.add_argument("--quantize", choices=["int8"], help=f"also write OUTPUT/int8/ ({quantizer})")
+    command.add_argument("--no-verify", action="store_true", help=f"skip the {runtime} parity check")
+    command.add_argument(
+        "--force", action="store_true", help="replace an existing output folder; keep an int8 model below cosine 0.99"
+    )
+    command.set_defaults(run=exported_command, format=format_name, reads=("model",), writes="output")
 
 
 class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
@@ -172,19 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("output", help="output folder (a BERT checkpoint)")
     export.add_argument("--force", action="store_true", help="replace an existing output folder")
     export.set_defaults(run=export_command, reads=("source",), writes="output")
-    onnx = commands.add_parser("export-onnx", help="export to ONNX (padded path) and verify it in ONNX Runtime")
-    onnx.add_argument("model", help="EncoderStack folder")
-    onnx.add_argument("output", help="output folder (model.onnx, config.json, tokenizer, export.json)")
-    onnx.add_argument("--task", choices=sorted(TASKS), help="head to load (default: the folder's architecture)")
-    onnx.add_argument("--opset", type=int, help="ONNX opset, 18 to 25 (default: torch.onnx's)")
-    onnx.add_argument(
-        "--quantize", choices=["int8"], help="also write model_quantized.onnx (SmoothQuant, then dynamic int8)"
-    )
-    onnx.add_argument("--no-verify", action="store_true", help="skip the ONNX Runtime parity check")
-    onnx.add_argument(
-        "--force", action="store_true", help="replace an existing output folder; keep an int8 model below cosine 0.99"
-    )
-    onnx.set_defaults(run=export_onnx_command, reads=("model",), writes="output")
+    add_export_command(commands, "onnx", "ONNX Runtime", "SmoothQuant, then ONNX Runtime's dynamic int8")
+    add_export_command(commands, "openvino", "OpenVINO", "NNCF's post-training int8")
     add_hub_commands(commands)
     add_diagnose_command(commands)
     return parser
@@ -224,7 +237,7 @@ def run(argv: list[str]) -> int:
     args = build_parser().parse_args(negative_numbers_attached(argv))
     from .conversion import ConversionError
     from .conversion.tf_checkpoint import TFCheckpointError
-    from .export_onnx import ExportError
+    from .exporters import ExportError
     from .hub_card import HubError
     from .output_folder import OutputFolderError
     from .training import TrainingError

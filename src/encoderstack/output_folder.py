@@ -19,7 +19,8 @@ from pathlib import Path
 RECORDS = (
     ("conversion.json", ("encoderstack_version", "mapped")),  # convert
     ("export.json", ("encoderstack_version", "exported_from")),  # export-bert
-    ("export.json", ("encoderstack_version", "opset")),  # export-onnx
+    ("export.json", ("encoderstack_version", "opset")),  # export-onnx before it wrote through transformers.exporters
+    ("encoderstack_export.json", ("encoderstack_version", "format")),  # export-onnx, export-openvino
     ("finetune.json", ("base_model", "settings", "after")),  # finetune
     ("pretrain.json", ("base_model", "data", "settings", "after")),  # pretrain
     ("results.json", ("settings", "results")),  # diagnose

