@@ -1,10 +1,13 @@
 """Every benchmark script runs end to end on the tests' tiny model for one round, so that none of them can rot. No
 timing is asserted: the scripts print ratios for people to read."""
 
+import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,10 +80,19 @@ def test_the_gpu_check_runs_every_section_in_its_cpu_smoke_mode_and_passes():
     assert result.stdout.rstrip().endswith("all passed")
 
 
-def test_the_gpu_check_stops_at_its_time_guard():
-    result = run_gpu_check("--budget", "1")
-    assert result.returncode == 1
-    assert "stopped by the time guard" in result.stdout and "FAILED: time guard" in result.stdout
+def test_the_gpu_check_stops_at_its_time_guard(monkeypatch, capsys):
+    """A section that hangs (here: sleeps past the budget) is cut by the alarm, whatever the machine's speed."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    gpu_check = importlib.import_module("gpu_check")
+    monkeypatch.setattr(gpu_check, "plan_table", lambda args: time.sleep(30))
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--smoke", "--budget", "1"])
+    started, alarm = time.monotonic(), signal.getsignal(signal.SIGALRM)
+    with pytest.raises(SystemExit) as exit:
+        gpu_check.main()
+    signal.signal(signal.SIGALRM, alarm)
+    assert exit.value.code == 1 and time.monotonic() - started < 10
+    output = capsys.readouterr().out
+    assert "stopped by the time guard" in output and "FAILED: time guard" in output
 
 
 def test_the_gpu_depth_sweep_runs_its_smoke_grid_on_cpu_and_writes_its_report(tmp_path):
