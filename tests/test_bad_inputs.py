@@ -29,7 +29,9 @@ def test_token_type_ids_outside_the_type_vocabulary_are_rejected(model):
 
 
 def test_a_sequence_longer_than_the_learned_positions_is_rejected(model):
-    with pytest.raises(ValueError, match=r"Sequence length 65 exceeds `max_position_embeddings` \(64\)"):
+    with pytest.raises(
+        ValueError, match=r"Sequence length 65 exceeds the 64 learned positions \(`max_position_embeddings` 64\)"
+    ):
         model(torch.ones(1, 65, dtype=torch.long))
 
 
