@@ -291,12 +291,15 @@ def test_export_bert_refuses_a_layout_neither_bert_nor_roberta_has(tmp_path):
 
 
 def byte_level_bpe(folder):
-    """A small byte-level BPE tokenizer as RoBERTa's (specials <s> <pad> </s> <unk> <mask>: pad id 1), saved."""
+    """A small byte-level BPE tokenizer as RoBERTa's (specials <s> <pad> </s> <unk> <mask>: pad id 1; <s> text </s>),
+    saved."""
     from tokenizers import ByteLevelBPETokenizer
+    from tokenizers.processors import RobertaProcessing
 
     bpe = ByteLevelBPETokenizer()
     texts = ["The quick brown fox jumps over the lazy dog.", "Normalization decides how gradients flow."] * 20
     bpe.train_from_iterator(texts, vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    bpe._tokenizer.post_processor = RobertaProcessing(("</s>", 2), ("<s>", 0))
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=bpe._tokenizer,
         bos_token="<s>",
@@ -304,6 +307,8 @@ def byte_level_bpe(folder):
         eos_token="</s>",
         unk_token="<unk>",
         mask_token="<mask>",
+        cls_token="<s>",
+        sep_token="</s>",
     )
     tokenizer.save_pretrained(folder)
     return tokenizer

@@ -592,6 +592,25 @@ def test_the_command_reports_bad_data_in_one_line(tiny, tmp_path, no_model_load,
     assert error == f"encoderstack: error: {data}: line 2: not UTF-8 text (invalid start byte at byte 11)\n"
 
 
+def packed_and_padded_runs(model, data, tmp_path, **settings) -> dict:
+    """The same token-classification run (same data, same seed), padded (False) and packed (True)."""
+    return {
+        packing: finetune(
+            model,
+            tmp_path / f"out-{packing}",
+            task="token-classification",
+            train=data,
+            eval=data,
+            epochs=2,
+            batch_size=3,
+            packing=packing,
+            optim="sgd",
+            **settings,
+        )
+        for packing in (False, True)
+    }
+
+
 def test_packing_trains_token_classification_on_flattened_batches_like_the_padded_run(tiny, tmp_path):
     """Same data, same seed: the flattening collator's run ends where the padded one does (one loss, no padding)."""
     ner = "\n".join(
@@ -603,21 +622,7 @@ def test_packing_trains_token_classification_on_flattened_batches_like_the_padde
         )
         for i, city in enumerate(("Paris", "Rome", "Oslo", "Lima", "Kyiv", "Quito"))
     )
-    data = write(tmp_path / "n.jsonl", ner)
-    runs = {
-        packing: finetune(
-            tiny,
-            tmp_path / f"out-{packing}",
-            task="token-classification",
-            train=data,
-            eval=data,
-            epochs=2,
-            batch_size=3,
-            packing=packing,
-            optim="sgd",
-        )
-        for packing in (False, True)
-    }
+    runs = packed_and_padded_runs(tiny, write(tmp_path / "n.jsonl", ner), tmp_path)
     assert runs[True]["settings"]["packing"] is True
     assert runs[True]["after"]["loss"] == pytest.approx(runs[False]["after"]["loss"], abs=1e-5)
     assert runs[True]["after"]["loss"] < runs[True]["before"]["loss"]

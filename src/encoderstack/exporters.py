@@ -29,7 +29,7 @@ from .checkpoint import expected_tensors, sha256
 from .configuration_encoderstack import EncoderStackConfig
 from .conversion.keymap import TASKS, ConversionError
 from .conversion.sources import require_hf_weights
-from .conversion.verify import OUTPUTS, sample_batches
+from .conversion.verify import OUTPUTS, fitting, sample_batches
 from .finetune import DATA
 from .jsonfile import read_json_object
 from .modeling_encoderstack import EncoderStackForMultipleChoice, EncoderStackModel, EncoderStackPreTrainedModel
@@ -202,8 +202,7 @@ def export_config(format_name: str, config, choices: bool, opset: int | None):
     sequence no longer than the learned position table where there is one."""
     from transformers import exporters
 
-    positions = config.max_position_embeddings - (config.position_offset or 0)
-    longest = {"max": positions} if config.position_embedding_type == "absolute" else {}
+    longest = {"max": fitting(config)["max_length"]} if config.position_embedding_type == "absolute" else {}
     dims = [torch.export.Dim(axis, **(longest if axis == "sequence_length" else {})) for axis in axes(choices)]
     dynamic = {name: dict(enumerate(dims)) for name in INPUTS}
     options = {"opset_version": opset} if format_name == "onnx" else {}
@@ -362,7 +361,8 @@ def calibration_batches(folder: Path, config, choices: bool) -> tuple[list[dict]
         with open(CALIBRATION_TEXT, newline="") as file:
             texts = [row["text"] for row in csv.DictReader(file)][:CALIBRATION_SENTENCES]
         batches = [
-            dict(tokenizer(texts[i : i + 16], padding=True, return_tensors="pt")) for i in range(0, len(texts), 16)
+            dict(tokenizer(texts[i : i + 16], padding=True, return_tensors="pt", **fitting(config)))
+            for i in range(0, len(texts), 16)
         ]
         described = f"{CALIBRATION_TEXT.name}: first {CALIBRATION_SENTENCES} sentences"
     batches = [

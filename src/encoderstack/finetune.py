@@ -28,6 +28,7 @@ from .training import (
     cpu_weights,
     datasets_offline,
     evaluate_weights,
+    flattening_collator,
     is_integer,
     load_tokenizer,
     model_config,
@@ -36,6 +37,7 @@ from .training import (
     setting,
     settings_from,
     settings_record,
+    source_family,
 )
 
 DATA = Path(__file__).parent / "data" / "sentiment"
@@ -326,7 +328,7 @@ def collator(task: Task, tokenizer, packing: bool = False):
     """Padding to each batch's longest row, or with `packing`, the batch as one flattened row (no padding at all):
     transformers' `DataCollatorWithFlattening`, for token-level tasks (it carries token labels only)."""
     if packing:
-        return transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+        return flattening_collator()
     if task.name == "token-classification":
         return transformers.DataCollatorForTokenClassification(tokenizer)
     return transformers.DataCollatorWithPadding(tokenizer)
@@ -446,6 +448,7 @@ def finetune(model=None, output=None, **settings) -> dict:
     record = {
         "task": run.task,
         "base_model": str(run.model),
+        "source_family": source_family(run.model),
         "train": str(run.train),
         "eval": str(run.eval),
         "train_rows": len(train_set),

@@ -926,6 +926,8 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
             raise ValueError(f"`padding_free` must be True, False or None, got {padding_free!r}.")
         real = attention_mask.bool() if attention_mask is not None and attention_mask.dim() == 2 else None
         packing = flattened_rows(position_ids, real, shape, device, kwargs)
+        if position_ids is None:
+            self._check_sequence_length(shape[1] if packing is None else packing.max_length)
         lengths, kind = None, "whole" if packing is None else "flattened"
         if packing is None and real is not None:
             kind = "padded"  # without padding_free, or compiled (which cannot branch on values), nothing packs
@@ -961,6 +963,15 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
             compiling=torch.compiler.is_compiling(),
             varlen_kernel=varlen_attn is not None,
         )
+
+    def _check_sequence_length(self, longest: int) -> None:
+        """The positions the model numbers itself must exist: each sequence's, not the length of a flattened row."""
+        limit, offset = self.config.max_position_embeddings, self.config.position_offset or 0
+        if self.config.position_embedding_type == "absolute" and longest + offset > limit:
+            raise ValueError(
+                f"Sequence length {longest} exceeds the {limit - offset} learned positions "
+                f"(`max_position_embeddings` {limit}" + (f", counted from {offset})." if offset else ").")
+            )
 
     def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds):
         """Turn the mistakes that would otherwise surface as an index error deep in a kernel into a clear message."""
@@ -999,11 +1010,6 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
             if not fits:
                 raise ValueError(f"`{name}` has shape {tuple(value.shape)}, but the inputs have shape {shape}.")
         limit, offset = self.config.max_position_embeddings, self.config.position_offset or 0
-        if self.config.position_embedding_type == "absolute" and position_ids is None and shape[1] + offset > limit:
-            raise ValueError(
-                f"Sequence length {shape[1]} exceeds the {limit - offset} learned positions "
-                f"(`max_position_embeddings` {limit}" + (f", counted from {offset})." if offset else ").")
-            )
         if torch.compiler.is_compiling():
             return
         ranges = [

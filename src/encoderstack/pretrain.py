@@ -38,6 +38,7 @@ from .training import (
     cpu_weights,
     datasets_offline,
     evaluate_weights,
+    flattening_collator,
     is_integer,
     load_tokenizer,
     model_config,
@@ -46,6 +47,7 @@ from .training import (
     setting,
     settings_from,
     settings_record,
+    source_family,
 )
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -278,7 +280,7 @@ class MaskedFlattening(transformers.TrainerCallback):
             )
         self.seed, self.epoch = seed, 0
         self.special = torch.tensor(tokenizer.all_special_ids)
-        self.flatten = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+        self.flatten = flattening_collator()
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         self.epoch = int(state.epoch)  # a resumed run begins in the epoch it was interrupted in
@@ -617,6 +619,7 @@ def pretrain(**settings) -> dict:
         )
         record = {
             "base_model": str(run.model) if run.model is not None else None,
+            "source_family": source_family(run.model) if run.model is not None else None,
             "data": data,
             "settings": settings,
             "inputs": inputs,

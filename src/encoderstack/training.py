@@ -146,6 +146,23 @@ def model_config(model) -> dict:
     return config
 
 
+def source_family(model) -> str | None:
+    """The family a model folder came from, for the card of what trains on it: its own `model_type` (a BERT-family
+    folder converts as it loads), else the `source_family` that the record of the command that wrote it holds."""
+    folder = Path(model)
+    model_type = read_json_object(folder / "config.json", TrainingError).get("model_type")
+    if model_type in FAMILIES:
+        return model_type
+    for name in ("conversion.json", "finetune.json", "pretrain.json"):
+        try:
+            family = read_json_object(folder / name, TrainingError).get("source_family")
+        except TrainingError:  # no such record, or not one we can read: the card just names no family
+            continue
+        if family in FAMILIES:
+            return family
+    return None
+
+
 def check_weights(model, error: type[Exception] = TrainingError) -> None:
     """A model folder whose weights are missing or do not read fails here, before any data is read (transformers
     would fail after loading it), with convert's own message as the command's error."""
@@ -177,6 +194,12 @@ def require_matplotlib(extra: str) -> None:
         import matplotlib  # noqa: F401  (fail before training, not after it)
     except ImportError:
         raise TrainingError(f"the loss plot needs matplotlib: pip install 'encoderstack[{extra}]'") from None
+
+
+def flattening_collator() -> transformers.DataCollatorWithFlattening:
+    """Each batch as one flattened row described by `cu_seq_lens_q/k` only: the model numbers each sequence's
+    positions itself, from the family's offset (the collator's own `position_ids` start at 0, below RoBERTa's)."""
+    return transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)
 
 
 def cpu_weights(model) -> dict:

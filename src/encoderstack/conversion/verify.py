@@ -32,6 +32,12 @@ OUTPUTS = (
 )
 
 
+def fitting(config) -> dict:
+    """Tokenizer settings that keep every sequence within the model's positions: a small vocabulary splits a
+    sentence into more tokens than a small model has positions (fewer still after RoBERTa's offset)."""
+    return {"truncation": True, "max_length": config.max_position_embeddings - (config.position_offset or 0)}
+
+
 def sample_batches(folder, config, multiple_choice: bool, source=None) -> list[dict]:
     """The tokenizer's encoding of single sentences and of pairs, padded; random ids without a tokenizer."""
     try:
@@ -39,9 +45,10 @@ def sample_batches(folder, config, multiple_choice: bool, source=None) -> list[d
     except (OSError, ValueError, TypeError):
         tokenizer = None
     if tokenizer is not None:
+        fit = fitting(config)
         batches = [
-            dict(tokenizer(SENTENCES, padding=True, return_tensors="pt")),
-            dict(tokenizer([a for a, _ in PAIRS], [b for _, b in PAIRS], padding=True, return_tensors="pt")),
+            dict(tokenizer(SENTENCES, padding=True, return_tensors="pt", **fit)),
+            dict(tokenizer([a for a, _ in PAIRS], [b for _, b in PAIRS], padding=True, return_tensors="pt", **fit)),
         ]
         largest = max(batch["input_ids"].max().item() for batch in batches)
         if largest >= config.vocab_size:  # the reference would fail with an IndexError; ours with a ValueError

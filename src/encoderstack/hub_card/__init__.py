@@ -147,11 +147,14 @@ def build_card(folder, repo_id: str | None = None, extra_tags=()) -> ModelCard:
     folder = Path(folder)
     config, class_name = read_folder_config(folder)
     conversion = read_conversion(folder)
+    finetune, pretrain = read_conversion(folder, "finetune.json"), read_conversion(folder, "pretrain.json")
     pipeline_tag, description = HEADS[class_name]
     tags = ["encoderstack", PLACEMENT_TAGS[config.norm_placement]]
     if conversion is not None:
         megatron = (conversion.get("source_architecture") or "").startswith("Megatron")
         tags.append(conversion.get("source_family") or ("megatron-bert" if megatron else "bert"))
+    elif family := (finetune or pretrain or {}).get("source_family"):
+        tags.append(family)
     card_data = ModelCardData(
         library_name="transformers",
         pipeline_tag=pipeline_tag,
@@ -176,8 +179,8 @@ def build_card(folder, repo_id: str | None = None, extra_tags=()) -> ModelCard:
         architecture=architecture_rows(config, class_name),
         has_tokenizer=has_tokenizer(folder),
         conversion=provenance(conversion) if conversion is not None else None,
-        finetune=read_conversion(folder, "finetune.json"),
-        pretrain=read_conversion(folder, "pretrain.json"),
+        finetune=finetune,
+        pretrain=pretrain,
         has_loss_plot=(folder / "loss.png").is_file(),
         labels=sorted(config.id2label.items())
         if pipeline_tag in ("text-classification", "token-classification")

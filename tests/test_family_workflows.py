@@ -1,0 +1,185 @@
+"""Everything else works on a converted BERT-family folder: continued pre-training and packed fine-tuning (flattened
+rows numbered from RoBERTa's offset), fine-tuning end to end, sentence-transformers, the diagnostics, the push card
+check and ONNX int8. Tiny random models of the families' own classes and tiny data, as in test_convert_family.py."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from test_convert_family import PAD, byte_level_bpe, family_folder
+from test_finetune import packed_and_padded_runs
+
+import encoderstack
+from encoderstack.diagnostics import gradient_norms_per_layer
+from encoderstack.finetune import finetune
+from encoderstack.hub import check_folder
+from encoderstack.pretrain import pretrain, stdlib_corpus
+from encoderstack.training import flattening_collator
+
+SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Normalization decides how gradients flow.", "The dog."]
+
+
+def roberta_folder(folder, suffix="ForMaskedLM"):
+    """A tiny RoBERTa of transformers' own class with RoBERTa's byte-level BPE tokenizer beside it."""
+    config = transformers.RobertaConfig(
+        vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=66, type_vocab_size=1, pad_token_id=PAD, num_labels=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    getattr(transformers, "Roberta" + suffix)(config).save_pretrained(folder)
+    byte_level_bpe(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def roberta(tmp_path_factory):
+    """A converted RoBERTa masked LM (positions from pad + 1 = 2, 64 of them) and its source."""
+    root = tmp_path_factory.mktemp("roberta")
+    source = roberta_folder(root / "source")
+    return source, encoderstack.convert(source, root / "converted")
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_flattened_rows_from_the_training_collator_give_a_roberta_the_padded_reference_loss(roberta):
+    source, folder = roberta
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    examples = [{"input_ids": ids} for ids in tokenizer(SENTENCES)["input_ids"]]
+    for example in examples:
+        example["labels"] = [token if i % 3 == 1 else -100 for i, token in enumerate(example["input_ids"])]
+    flattened = flattening_collator()(examples)
+    padded = transformers.DataCollatorForTokenClassification(tokenizer, label_pad_token_id=-100)(examples)
+    reference = transformers.RobertaForMaskedLM.from_pretrained(source).eval()
+    with torch.no_grad():
+        ours = encoderstack.EncoderStackForMaskedLM.from_pretrained(folder).eval()(**flattened).loss
+        expected = reference(**padded).loss
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+
+
+def test_a_flattened_row_longer_than_the_positions_is_fine_when_each_sequence_fits(roberta):
+    _, folder = roberta
+    model = encoderstack.EncoderStackForMaskedLM.from_pretrained(folder).eval()
+    examples = [{"input_ids": [0, *range(5, 35), 2]} for _ in range(3)]  # 3 x 32 tokens: a row of 96 > 64 positions
+    with torch.no_grad():
+        row = model(**flattening_collator()(examples)).logits
+        alone = model(input_ids=torch.tensor([examples[0]["input_ids"]])).logits
+    torch.testing.assert_close(row[:, 64:], alone, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"Sequence length 65 exceeds the 64 learned positions"):
+        model(**flattening_collator()([{"input_ids": list(range(5, 70))}]))
+
+
+def test_continued_pretraining_of_a_converted_roberta_lowers_its_eval_loss_and_its_card_names_the_family(
+    roberta, tmp_path
+):
+    _, folder = roberta
+    record = pretrain(
+        model=folder,
+        train=stdlib_corpus(tmp_path / "corpus.txt", max_bytes=6_000),
+        output=tmp_path / "out",
+        max_length=32,
+        batch_size=8,
+        max_steps=4,
+        eval_steps=2,
+        lr=3e-3,
+        seed=0,
+    )
+    assert record["eval_loss_after"] < record["eval_loss_before"]
+    config = encoderstack.EncoderStackConfig.from_pretrained(tmp_path / "out")
+    assert config.position_offset == PAD + 1 and config.head_layout == "roberta"
+    assert "- roberta\n" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_packed_token_classification_on_a_converted_roberta_ends_where_the_padded_run_does(roberta, tmp_path):
+    _, folder = roberta
+    rows = [
+        {"tokens": ["The", "quick", "fox", "jumps"][: 2 + i % 3], "tags": ["O", "B-X", "I-X", "O"][: 2 + i % 3]}
+        for i in range(6)
+    ]
+    runs = packed_and_padded_runs(folder, write(tmp_path / "tags.jsonl", rows), tmp_path, lr=0.1)
+    assert runs[True]["after"]["loss"] == pytest.approx(runs[False]["after"]["loss"], abs=1e-5)
+    assert runs[True]["after"]["loss"] < runs[True]["before"]["loss"]
+
+
+def distilbert_folder(folder):
+    """A tiny DistilBERT with a small WordPiece tokenizer as DistilBERT's: no token types."""
+    from tokenizers import BertWordPieceTokenizer
+
+    wordpiece = BertWordPieceTokenizer(lowercase=True)
+    wordpiece.train_from_iterator(
+        SENTENCES * 10, vocab_size=200, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    )
+    tokenizer = transformers.BertTokenizerFast(
+        tokenizer_object=wordpiece._tokenizer, model_input_names=["input_ids", "attention_mask"]
+    )
+    config = transformers.DistilBertConfig(
+        vocab_size=len(tokenizer), dim=32, n_layers=2, n_heads=4, hidden_dim=37, max_position_embeddings=64
+    )
+    torch.manual_seed(0)
+    transformers.DistilBertModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family", ["roberta", "distilbert"])
+def test_fine_tuning_a_converted_family_model_trains_saves_reloads_and_its_card_names_the_family(family, tmp_path):
+    source = tmp_path / "source"
+    source = roberta_folder(source, "Model") if family == "roberta" else distilbert_folder(source)
+    folder = encoderstack.convert(source, tmp_path / "converted")
+    rows = [{"text": text, "label": "dog" if "dog" in text else "other"} for text in SENTENCES * 4]
+    data = write(tmp_path / "data.jsonl", rows)
+    record = finetune(folder, tmp_path / "out", train=data, eval=data, epochs=3, batch_size=4, lr=1e-2)
+    assert record["after"]["loss"] < record["before"]["loss"]
+    model = encoderstack.EncoderStackForSequenceClassification.from_pretrained(tmp_path / "out").eval()
+    assert model.config.head_layout == {"roberta": "roberta", "distilbert": "distilbert"}[family]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")  # the family's tokenizer travelled
+    assert (
+        tokenizer("The dog.")["input_ids"]
+        == transformers.AutoTokenizer.from_pretrained(source)("The dog.")["input_ids"]
+    )
+    with torch.no_grad():
+        logits = model(**tokenizer(SENTENCES, padding=True, return_tensors="pt")).logits
+    assert logits.shape == (3, 2)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"- {family}\n" in card
+
+
+def test_sentence_transformers_gives_a_converted_roberta_the_originals_embeddings(tmp_path):
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    source = roberta_folder(tmp_path / "source", "Model")
+    folder = encoderstack.convert(source, tmp_path / "converted")
+    original = sentence_transformers.SentenceTransformer(str(source), device="cpu")
+    ours = sentence_transformers.SentenceTransformer(str(folder), device="cpu")
+    assert type(ours[0].auto_model).__name__ == "EncoderStackModel"
+    expected = original.encode(SENTENCES, convert_to_tensor=True)
+    torch.testing.assert_close(ours.encode(SENTENCES, convert_to_tensor=True), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["roberta", "electra", "distilbert"])
+def test_the_diagnostics_measure_a_converted_family_model_and_its_folder_passes_the_push_check(family, tmp_path):
+    folder = encoderstack.convert(family_folder(tmp_path / "source", family, "ForMaskedLM"), tmp_path / "converted")
+    check_folder(folder)  # what `push` checks before any request, the card included
+    model = encoderstack.EncoderStackForMaskedLM.from_pretrained(folder)
+    ids = torch.tensor([[0, 5, 6, 7, 8, 2], [0, 9, 10, 2, PAD, PAD]])
+    mask = (ids != PAD).long()
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    norms = gradient_norms_per_layer(model, batch)
+    assert len(norms) == 2 and all(norm > 0 and norm == norm for norm in norms)
+
+
+def test_onnx_int8_export_of_a_converted_roberta_keeps_its_argmax(roberta, tmp_path):
+    from encoderstack.exporters import load_exported
+
+    _, folder = roberta
+    exported = encoderstack.export_onnx(folder, tmp_path / "onnx", quantize="int8")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    inputs = dict(tokenizer(SENTENCES, padding=True, return_tensors="pt"))
+    graph_inputs = {**inputs, "token_type_ids": torch.zeros_like(inputs["input_ids"])}  # the graph takes all three
+    logits = torch.as_tensor(load_exported(exported)(**graph_inputs)["logits"])
+    with torch.no_grad():
+        expected = encoderstack.EncoderStackForMaskedLM.from_pretrained(folder).eval()(**inputs).logits
+    real = inputs["attention_mask"].bool()
+    assert (logits[real].argmax(-1) == expected[real].argmax(-1)).float().mean() >= 0.9
