@@ -44,6 +44,8 @@ PLACEMENT_EQUATIONS = {
 GATED_ACTIVATIONS = {"geglu": "gelu", "swiglu": "silu"}
 HeadLayout = Literal["bert", "roberta", "electra", "distilbert"]
 HEAD_LAYOUTS = get_args(HeadLayout)
+LayerType = Literal["full_attention", "sliding_attention"]  # transformers' names
+LAYER_TYPES = get_args(LayerType)
 
 
 @strict
@@ -95,6 +97,14 @@ class EncoderStackConfig(PreTrainedConfig):
         classifier on the first token for sequence classification and multiple choice; no pooler anywhere) or
         `"distilbert"` (dense, ReLU, classifier; no pooler). `type_vocab_size=0` means no token-type embeddings
         (DistilBERT).
+    layer_types (`list[str]`, *optional*):
+        Each layer's attention, named as in transformers: `"full_attention"` (a token sees every token of its
+        sequence) or `"sliding_attention"` (a token sees the tokens within `sliding_window` of it). `None`: every
+        layer full.
+    sliding_window (`int`, *optional*):
+        The radius of the sliding layers, the one convention of this model: query i attends to key j when
+        |i - j| <= sliding_window, 2 * sliding_window + 1 keys in all. ModernBERT's `local_attention=128` is 64 here;
+        UltraBERT's `sliding_window` is this radius already. Needed when a layer slides.
     sparse_prediction (`bool`, defaults to `True`):
         Masked-LM heads in training with labels run the prediction head, its logits and the loss on the labelled
         tokens only (as ModernBERT's `sparse_prediction`): the same loss, a fraction of the vocabulary projection's
@@ -131,6 +141,8 @@ class EncoderStackConfig(PreTrainedConfig):
     position_offset: int | None = None
     embedding_size: int | None = None
     head_layout: HeadLayout = "bert"
+    layer_types: list[LayerType] | None = None
+    sliding_window: int | None = None
 
     def validate_architecture(self):
         """Part of `@strict` validation: every message names the field and the offending value."""
@@ -172,6 +184,15 @@ class EncoderStackConfig(PreTrainedConfig):
             )
         if not 0 <= self.mix_ln_ratio <= 1:
             raise ValueError(f"`mix_ln_ratio` must lie in [0, 1], got {self.mix_ln_ratio}.")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"`layer_types` names {len(self.layer_types)} layers, but `num_hidden_layers` is "
+                f"{self.num_hidden_layers}."
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"`sliding_window` must be a positive integer or None, got {self.sliding_window}.")
+        if "sliding_attention" in (self.layer_types or ()) and self.sliding_window is None:
+            raise ValueError("`layer_types` has sliding layers, but `sliding_window` (their radius) is not set.")
         for name in ("layer_norm_eps", "initializer_range", "rope_theta", "resi_dual_scale", "dyt_alpha_init"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"`{name}` must be a positive finite number, got {getattr(self, name)}.")
