@@ -3,13 +3,14 @@ of the execution plan: every path agrees with a dense band-masked softmax run on
 gradients; the window is exact (one more or one less fails); sliding layers never hold a tokens x tokens tensor;
 a model whose layers are all full behaves as before; the CUDA routes get the window their kernels expect."""
 
+import collections
 import contextlib
 import dataclasses
 
 import pytest
 import torch
 from conftest import build
-from test_execution_plan import facts
+from test_execution_plan import facts, nested_flash_on_cpu  # noqa: F401  (a fixture)
 from test_packed_sequences import flattened, sequences
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface
@@ -266,3 +267,149 @@ def test_a_prepared_4d_mask_with_sliding_layers_is_refused_in_one_line():
     ids = torch.randint(1, 99, (1, 9))
     with pytest.raises(ValueError, match="4-D `attention_mask` cannot carry the sliding layers' window"):
         model(input_ids=ids, attention_mask=torch.ones(1, 1, 9, 9, dtype=torch.bool))
+
+
+# The CUDA routes, on CPU: torch's real varlen_attn with kernels for its ops that implement flash's window exactly
+# (key j is seen by query i iff i - left <= j <= i + right, -1 meaning no limit) and assert what the model must give
+# them; transformers' own translation of the `sliding_window` kwarg for its flash path.
+
+WINDOWS = []
+
+
+def flash_allowed(length, window_size, is_causal):
+    assert type(window_size) is list and len(window_size) == 2, "window_size reaches the op as [left, right]"
+    assert all(type(side) is int and side >= -1 for side in window_size), window_size
+    left, right = window_size
+    assert not is_causal and left == right, "an encoder's window is bidirectional: (w, w), not causal"
+    WINDOWS.append(left)
+    at = torch.arange(length)
+    distance = at[:, None] - at[None]
+    return torch.ones(length, length, dtype=torch.bool) if left == -1 else (distance <= left) & (-distance <= right)
+
+
+def windowed_probabilities(q, k, scale, allowed):
+    """(heads, n, n) of one sequence; q, k (n, heads, dim)."""
+    scores = scale * q.transpose(0, 1).float() @ k.transpose(0, 1).float().transpose(1, 2)
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+
+
+def each_sequence(cu_seq_q, *tensors):
+    bounds = cu_seq_q.tolist()
+    return [[x[a:b] for x in tensors] for a, b in zip(bounds, bounds[1:])]
+
+
+def attend_windowed(query, key, value, cu_seq_q, scale, window, is_causal=False):
+    """Packed (tokens, heads, dim): each sequence alone, under flash's window."""
+    out = [
+        (windowed_probabilities(q, k, scale, flash_allowed(len(q), window, is_causal)) @ v.transpose(0, 1).float())
+        for q, k, v in each_sequence(cu_seq_q, query, key, value)
+    ]
+    return torch.cat([o.transpose(0, 1) for o in out]).to(query.dtype)
+
+
+def varlen_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None, window=None, *_):
+    from test_execution_plan import check_flash_contract
+
+    check_flash_contract(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    out = attend_windowed(query, key, value, cu_seq_q, scale, window, is_causal)
+    return out, torch.zeros(query.shape[1], query.shape[0]), torch.zeros(2, dtype=torch.uint64)
+
+
+def varlen_backward(grad, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, causal, rng, scale, window):
+    from test_execution_plan import check_flash_contract
+
+    check_flash_contract(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    grads = []
+    for g, q, k, v in each_sequence(cu_seq_q, grad, query, key, value):
+        p = windowed_probabilities(q, k, scale, flash_allowed(len(q), window, causal))
+        g, q, k, v = (x.transpose(0, 1).float() for x in (g, q, k, v))
+        dp = g @ v.transpose(1, 2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        grads.append(
+            [x.transpose(0, 1) for x in (scale * ds @ k, scale * ds.transpose(1, 2) @ q, p.transpose(1, 2) @ g)]
+        )
+    return tuple(torch.cat(parts).to(query.dtype) for parts in zip(*grads))
+
+
+@pytest.fixture
+def windowed_varlen_on_cpu(monkeypatch):
+    torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", varlen_forward)
+    torch.library.register_kernel("torch_attn::_varlen_attn_backward", "cpu", varlen_backward)
+    monkeypatch.setattr(modeling_encoderstack, "cuda_capability", lambda device: (9, 0))
+    WINDOWS.clear()
+    return WINDOWS
+
+
+@pytest.mark.parametrize("route", ["right-padded, padding-free", "flattened rows, packed"])
+def test_torchs_varlen_attn_gets_the_window_as_w_w_and_agrees_with_the_banded_path_forward_and_backward(
+    route, windowed_varlen_on_cpu
+):
+    model = windowed(4, hidden_size=64).train()  # head size 16: a flash head size
+    seqs = route_sequences(route)
+    inputs, options = ROUTES[route](seqs)
+    weights = torch.randn(sum(LENGTHS), model.config.hidden_size, generator=torch.Generator().manual_seed(7))
+    results = []
+    for padding_free in (True, False):  # varlen_attn, then the banded padded batch
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plan = model.execution_plan(**inputs, padding_free=padding_free)
+            states = real_rows(model(**inputs, padding_free=padding_free).last_hidden_state, inputs)
+        (states.float() * weights).sum().backward()
+        results.append(
+            (plan, states.float(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        )
+    (varlen, states, grads), (banded, expected, expected_grads) = results
+    assert (varlen.attention, varlen.sliding, banded.sliding) == (VARLEN, VARLEN, BANDED)
+    n = len(seqs)  # one window per sequence and layer, forward then backward
+    assert windowed_varlen_on_cpu == ([4] * n + [-1] * n + [4] * n) * 2
+    assert (states - expected).abs().max() <= 0.03 * expected.abs().max()  # bfloat16 keeps 8 bits
+    for name, grad in expected_grads.items():
+        assert (grads[name] - grad).norm() <= 0.03 * grad.norm() + 1e-6, name
+
+
+def test_transformers_flash_path_gets_ModernBERTs_sliding_window_kwarg_which_it_turns_into_w_w(monkeypatch):
+    """transformers' flash path turns `sliding_window` into flash's `window_size` with its own function; the stand-in
+    runs that function and attends with the window it gives, per sequence."""
+    from transformers.modeling_flash_attention_utils import _process_flash_attention_kwargs
+
+    given = []
+
+    def flash_stand_in(module, query, key, value, attention_mask, scaling=None, sliding_window=None, **kwargs):
+        assert attention_mask is None and not module.is_causal
+        q, k, v = (x.transpose(1, 2).squeeze(0) for x in (query, key, value))
+        flash = _process_flash_attention_kwargs(
+            q.shape[0],
+            k.shape[0],
+            False,
+            softmax_scale=scaling,
+            sliding_window=sliding_window,
+            supports_mapping=collections.defaultdict(bool, window_size=True),  # flash-attn 2 has it
+        )
+        given.append(flash.get("window_size"))
+        window = list(flash.get("window_size", (-1, -1)))
+        out = attend_windowed(q, k, v, kwargs["cu_seq_lens_q"], scaling, window)
+        return out[None], None
+
+    monkeypatch.setitem(
+        modeling_encoderstack.ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2", flash_stand_in
+    )
+    model = windowed(4, hidden_size=64)
+    seqs = route_sequences("flattened rows, packed")
+    with torch.no_grad():
+        expected = reference_states(model, seqs, monkeypatch)
+        model.config._attn_implementation = "flash_attention_2"
+        actual = model(**flattened(seqs)).last_hidden_state[0]
+    assert given == [(4, 4), None, (4, 4)]
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+
+
+def test_attention_dropout_on_cuda_runs_sliding_layers_banded_and_full_layers_through_nested_sdpa(nested_flash_on_cpu):
+    model = windowed(4, hidden_size=64, attention_probs_dropout_prob=0.1).train()
+    inputs, _ = ROUTES["right-padded, padding-free"](route_sequences("right-padded, padding-free"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = model.execution_plan(**inputs)
+        model(**inputs).last_hidden_state.sum().backward()
+    assert (plan.attention, plan.sliding) == (NESTED, BANDED), plan.reason
+    assert nested_flash_on_cpu == [("forward", 0.1), ("backward", 0.1)]  # the one full layer
