@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import build
-from test_execution_plan import facts, nested_flash_on_cpu  # noqa: F401  (a fixture)
+from test_execution_plan import facts, nested_flash_on_cpu  # noqa: F401, F811  (a fixture)
 from test_packed_sequences import flattened, sequences
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface
@@ -413,3 +413,21 @@ def test_attention_dropout_on_cuda_runs_sliding_layers_banded_and_full_layers_th
         model(**inputs).last_hidden_state.sum().backward()
     assert (plan.attention, plan.sliding) == (NESTED, BANDED), plan.reason
     assert nested_flash_on_cpu == [("forward", 0.1), ("backward", 0.1)]  # the one full layer
+
+
+def test_an_exported_sliding_window_model_keeps_parity_with_pytorch_on_inputs_longer_than_the_window(tmp_path):
+    """The export traces the padded batch with a dense band mask: the window survives in the ONNX graph."""
+    from test_exporters import matches_pytorch_on_real_tokens
+
+    from encoderstack import export_onnx
+
+    model = windowed(2, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    folder = export_onnx(model, tmp_path / "onnx")
+    inputs = {"input_ids": torch.randint(1, 99, (2, 13)), "token_type_ids": torch.zeros(2, 13, dtype=torch.long)}
+    inputs["attention_mask"] = (torch.arange(13) < torch.tensor([[13], [8]])).long()
+    exported = matches_pytorch_on_real_tokens(model, folder, inputs)["last_hidden_state"]
+    full = windowed(2, num_hidden_layers=2, layer_types=["full_attention"] * 2)  # the same weights, no window
+    with torch.no_grad():
+        unwindowed = full(**inputs).last_hidden_state
+    real = inputs["attention_mask"].bool()
+    assert (unwindowed[real] - torch.as_tensor(exported)[real]).abs().max() > 1e-3

@@ -396,7 +396,7 @@ def sliding_attention(facts: PlanFacts, plan: ExecutionPlan) -> tuple[str | None
     attention's block-sparse band mask on CUDA; everywhere else `banded_attention`, O(tokens x window) (on CPU, flex
     attention outside torch.compile computes every score; nested SDPA takes no window)."""
     radius = facts.sliding_window
-    if radius >= facts.longest - 1:
+    if not facts.compiling and radius >= facts.longest - 1:  # compiled code must not branch on the length
         return None, f"the window (radius {radius}) covers every sequence ({facts.longest} tokens): run as full"
     if plan.attention == VARLEN_ATTENTION:
         if facts.varlen_window:
@@ -538,11 +538,12 @@ def nested_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def band_block(radius: int) -> int:
-    """Queries per block of `banded_attention`. Each block computes block x (block + 2 radius) scores, so small blocks
-    waste less than large ones but make more, smaller matmuls: BAND_BLOCK_CHOICE (benchmarks/sliding_window.py
-    --blocks, 1 CPU thread) measured the fastest block at about the radius, never below 32 (below, the batched matmuls
-    are too small to be efficient) nor above 256."""
-    return min(max(32, 1 << (radius - 1).bit_length()), 256)
+    """Queries per block of `banded_attention`: the radius (rounded up to a power of two), 32 to 128. Each block
+    computes block x (block + 2 radius) scores, so a small block wastes little on scores outside the band but makes
+    more, smaller matmuls. Measured on this CPU, 1 thread, 4096 tokens, 4 heads of 64, two runs on a shared machine
+    (docs/benchmarks/sliding-window-blocks-1thread.txt): this choice was the fastest or within 15% of it at radius 16,
+    64 and 128, where blocks of 16 were up to 1.7x slower and 512 2-6x slower."""
+    return min(max(32, 1 << (radius - 1).bit_length()), 128)
 
 
 def banded_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **_):
