@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import build
-from test_execution_plan import facts, nested_flash_on_cpu  # noqa: F401, F811  (a fixture)
+from test_execution_plan import facts, nested_flash_on_cpu  # noqa: F401  (a fixture)
 from test_packed_sequences import flattened, sequences
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface
@@ -405,7 +405,7 @@ def test_transformers_flash_path_gets_ModernBERTs_sliding_window_kwarg_which_it_
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
 
 
-def test_attention_dropout_on_cuda_runs_sliding_layers_banded_and_full_layers_through_nested_sdpa(nested_flash_on_cpu):
+def test_attention_dropout_on_cuda_runs_sliding_layers_banded_and_full_layers_through_nested_sdpa(nested_flash_on_cpu):  # noqa: F811  (the fixture)
     model = windowed(4, hidden_size=64, attention_probs_dropout_prob=0.1).train()
     inputs, _ = ROUTES["right-padded, padding-free"](route_sequences("right-padded, padding-free"))
     with torch.autocast("cpu", dtype=torch.bfloat16):
