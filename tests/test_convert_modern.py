@@ -276,3 +276,87 @@ def test_the_conversion_fails_when_the_key_map_or_a_rotary_base_is_broken_on_pur
     with pytest.raises(encoderstack.ConversionError, match=message):
         encoderstack.convert(source, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+NEOBERT = {"NeoBERT": "Model", "NeoBERTLMHead": "ForMaskedLM", "NeoBERTHFForSequenceClassification": "Sequence"}
+
+
+@pytest.fixture(scope="module")
+def neobert(tmp_path_factory):
+    from neobert_reference import neobert_folder
+
+    cache = {}
+
+    def get(architecture):
+        if architecture not in cache:
+            root = tmp_path_factory.mktemp(architecture)
+            source, reference = neobert_folder(root / "source", architecture)
+            folder = encoderstack.convert(source, root / "out", verify=False)
+            class_name = json.loads((folder / "config.json").read_text())["architectures"][0]
+            cache[architecture] = reference, getattr(encoderstack, class_name).from_pretrained(folder).eval(), source
+        return cache[architecture]
+
+    return get
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("architecture", NEOBERT)
+def test_neobert_converts_with_parity_against_a_transcription_of_its_forward(neobert, architecture, backend, side):
+    reference, ours, _ = neobert(architecture)
+    ours.set_attn_implementation(backend)
+    inputs, _ = right_padded_batch("Model")
+    mine = inputs if side == "right" else to_left(inputs, {})[0]
+    with torch.no_grad():
+        expected = reference(**inputs)
+        outputs = [ours(**mine, output_hidden_states=True), ours(**mine)]  # padded, then padding-free
+    for output in outputs:
+        if architecture == "NeoBERTHFForSequenceClassification":
+            torch.testing.assert_close(output.logits, expected, atol=1e-5, rtol=0)
+        else:
+            got = output.logits if architecture == "NeoBERTLMHead" else output.last_hidden_state
+            want = real(expected, inputs["attention_mask"])
+            torch.testing.assert_close(real(got, mine["attention_mask"]), want, atol=1e-5, rtol=0)
+
+
+def test_neobert_accounts_for_every_tensor_and_refuses_a_verification_it_has_no_class_for(neobert, tmp_path):
+    _, _, source = neobert("NeoBERTLMHead")
+    report = json.loads((source.parent / "out" / "conversion.json").read_text())
+    assert set(report["mapped"]) | set(report["skipped"]) == set(load_file(source / "model.safetensors"))
+    assert len(report["mapped"]["model.transformer_encoder.0.qkv.weight"]) == 3
+    with pytest.raises(encoderstack.ConversionError, match="NeoBERTLMHead has no transformers class.*--no-verify"):
+        encoderstack.convert(source, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_neobert_parity_fails_without_the_rotary_pair_reordering(monkeypatch, tmp_path):
+    """Broken on purpose: the per-head split kept, the pairs (2i, 2i+1) not reordered to rotate-half's halves."""
+    from neobert_reference import neobert_folder
+
+    from encoderstack.conversion import keymap
+
+    entry = keymap.FAMILIES["neobert"]
+    pairs = list(entry.extra_encoder_keys)
+    index = next(i for i, pair in enumerate(pairs) if "qkv" in pair[0])
+    pairs[index] = (
+        pairs[index][0],
+        tuple(replace(piece, rows=keymap.head_part(part, of=3)) for part, piece in enumerate(pairs[index][1])),
+    )
+    monkeypatch.setitem(keymap.FAMILIES, "neobert", replace(entry, extra_encoder_keys=tuple(pairs)))
+    source, reference = neobert_folder(tmp_path / "source", "NeoBERT")
+    ours = encoderstack.EncoderStackModel.from_pretrained(encoderstack.convert(source, tmp_path / "out", verify=False))
+    inputs, _ = right_padded_batch("Model")
+    with torch.no_grad():
+        difference = (ours(**inputs).last_hidden_state - reference(**inputs)).abs()
+    assert difference[inputs["attention_mask"].bool()].max() > 1e-2
+
+
+def test_the_key_maps_row_selections_split_fused_projections_as_their_families_lay_them_out():
+    from encoderstack.conversion.keymap import head_part, parts
+
+    config = encoderstack.EncoderStackConfig(hidden_size=8, num_attention_heads=2)
+    assert parts(1, of=3)(config, 12) == [4, 5, 6, 7]
+    assert parts(1, 0, of=2)(config, 4) == [2, 3, 0, 1]  # [up; gate] -> [gate; up]
+    # 2 heads of 4 features, each head [q; k; v]: the key rows of head 1 start at (1 * 3 + 1) * 4
+    assert head_part(1, of=3)(config, 24) == [4, 5, 6, 7, 16, 17, 18, 19]
+    assert head_part(0, of=3, rotary_pairs=True)(config, 24) == [0, 2, 1, 3, 12, 14, 13, 15]

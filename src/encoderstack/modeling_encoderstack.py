@@ -781,6 +781,7 @@ HEADS = {
     "modernbert": Heads(sequence="gelu", choice="gelu", token="gelu", lm_act="gelu", pooler=False, transform_norm=True),
     "eurobert": Heads(sequence="gelu", pooler=False, lm="decoder"),
     "ultrabert": Heads(lm_act="gelu_pytorch_tanh", pooler=False, lm="two_layer"),
+    "neobert": Heads(sequence="tanh", pooler=False, lm="decoder"),
 }
 
 

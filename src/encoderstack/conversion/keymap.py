@@ -210,6 +210,10 @@ class Family:
     head_keys: dict = field(default_factory=dict)  # task name -> keys, where they are not BERT's
     tasks: tuple = BERT_TASKS  # the tasks it has
     skipped: dict = field(default_factory=lambda: dict(SKIPPED_KEYS))
+    architecture_names: dict = field(default_factory=dict)  # task name -> class name, where not prefix + suffix
+
+    def architecture(self, task: "Task") -> str:
+        return self.architecture_names.get(task.name, self.architecture_prefix + task.bert_suffix)
 
     @property
     def encoder_keys(self) -> list:
@@ -563,6 +567,72 @@ FAMILIES |= {
     ),
 }
 
+
+def neobert_fields(config: dict) -> dict:
+    """NeoBERT (remote code): pre-RMSNorm, SwiGLU at xformers' width (2/3 of `intermediate_size`, rounded up to a
+    multiple of 8), rotary (base 10 000) without an embedding norm, a final norm; no biases in the encoder."""
+    if config.get("ngpt"):
+        raise ConversionError("NeoBERT's normalized-GPT variant (ngpt=true) is not supported")
+    if not config.get("rope", True):
+        raise ConversionError("NeoBERT without rotary positions (rope=false) is not supported")
+    if str(config.get("hidden_act", "SwiGLU")).lower() != "swiglu":
+        raise ConversionError(f"NeoBERT's hidden_act {config['hidden_act']!r} is not supported (SwiGLU)")
+    width = int(2 * config.get("intermediate_size", 3072) / 3)
+    rms = config.get("rms_norm", True)
+    return {
+        "intermediate_size": 8 * ((width + 7) // 8),
+        "hidden_act": "swiglu",
+        "norm_placement": "pre",
+        "norm_type": "rmsnorm" if rms else "layernorm",
+        "embedding_norm": False,
+        "layer_norm_eps": config.get("norm_eps", 1e-6),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "position_embedding_type": "rope",
+        "rope_theta": 10_000.0,
+        "max_position_embeddings": config.get("max_length", 1024),
+        "type_vocab_size": 0,
+        "hidden_dropout_prob": config.get("dropout", 0.0),
+        "attention_probs_dropout_prob": 0.0,
+        "classifier_dropout": config.get("classifier_dropout", 0.1),
+        "head_layout": "neobert",
+        "tie_word_embeddings": False,
+    }
+
+
+FAMILIES["neobert"] = Family(
+    "NeoBERT",
+    "model.",
+    neobert_fields,
+    (
+        ("encoder.weight", "embeddings.word_embeddings.weight"),
+        (
+            "transformer_encoder.{i}.qkv.weight",  # per head [q; k; v]; rotary on pairs (2i, 2i+1)
+            (
+                Piece("layers.{i}.attention.query.weight", head_part(0, of=3, rotary_pairs=True)),
+                Piece("layers.{i}.attention.key.weight", head_part(1, of=3, rotary_pairs=True)),
+                Piece("layers.{i}.attention.value.weight", head_part(2, of=3)),
+            ),
+        ),
+        ("transformer_encoder.{i}.wo.weight", "layers.{i}.attention.output.weight"),
+        ("transformer_encoder.{i}.attention_norm.{p}", "layers.{i}.attention_residual.norm_in.{p}"),
+        ("transformer_encoder.{i}.ffn.w12.weight", "layers.{i}.mlp.up.weight"),  # [w1; w2]: silu(w1 x) * (w2 x)
+        ("transformer_encoder.{i}.ffn.w3.weight", "layers.{i}.mlp.down.weight"),
+        ("transformer_encoder.{i}.ffn_norm.{p}", "layers.{i}.mlp_residual.norm_in.{p}"),
+        ("layer_norm.{p}", "final.norm.{p}"),
+    ),
+    {
+        "masked-lm": (("decoder.{p}", "lm_head.decoder.{p}"),),
+        "sequence-classification": (("dense.{p}", "pre_classifier.{p}"), *SEQUENCE_CLASSIFIER),
+    },
+    ("base", "masked-lm", "sequence-classification"),
+    architecture_names={
+        "base": "NeoBERT",
+        "masked-lm": "NeoBERTLMHead",
+        "sequence-classification": "NeoBERTHFForSequenceClassification",
+    },
+)
+
 # Families that transformers has but EncoderStack's layers cannot express, and why.
 REFUSED_FAMILIES = {
     "albert": "ALBERT shares one set of layer weights across the stack and factorizes the embeddings",
@@ -626,9 +696,9 @@ def task_for_architecture(architecture: str) -> tuple[str, Task]:
     """('bert', Task) for 'BertForMaskedLM' and the like; ConversionError for anything else."""
     for name, family in FAMILIES.items():
         for task in TASKS.values():
-            if family.has(task) and architecture == family.architecture_prefix + task.bert_suffix:
+            if family.has(task) and architecture == family.architecture(task):
                 return name, task
-    known = sorted(f.architecture_prefix + t.bert_suffix for f in FAMILIES.values() for t in TASKS.values() if f.has(t))
+    known = sorted(f.architecture(t) for f in FAMILIES.values() for t in TASKS.values() if f.has(t))
     raise ConversionError(f"architecture {architecture!r} cannot be converted; supported: {', '.join(known)}")
 
 
