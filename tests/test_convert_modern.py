@@ -11,29 +11,16 @@ import torch
 import transformers
 from conftest import real
 from safetensors.torch import load_file
-from test_convert_family import as_choices, main_outputs, right_padded_batch, to_left
+from test_convert_family import SUFFIXES, assert_parity, right_padded_batch, save_random, to_left
 
 import encoderstack
 
 PAD = 1
 WIDE = 16  # a sliding radius wider than every test sequence (10 tokens)
 FAMILIES = {  # model_type -> (class prefix, suffixes its family has)
-    "modernbert": (
-        "ModernBert",
-        (
-            "Model",
-            "ForMaskedLM",
-            "ForSequenceClassification",
-            "ForTokenClassification",
-            "ForQuestionAnswering",
-            "ForMultipleChoice",
-        ),
-    ),
-    "eurobert": ("EuroBert", ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification")),
-    "ultrabert": (
-        "Ultrabert",
-        ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering"),
-    ),
+    "modernbert": ("ModernBert", SUFFIXES),  # all six, as RoBERTa's
+    "eurobert": ("EuroBert", SUFFIXES[:4]),
+    "ultrabert": ("Ultrabert", SUFFIXES[:5]),
 }
 # Variants: each family as its checkpoints are, and with the switches its config has turned the other way.
 VARIANTS = {
@@ -88,14 +75,8 @@ def family_config(family: str, suffix: str, variant: str, radius: int = WIDE):
 
 
 def family_folder(folder, family, suffix, variant="default", radius=WIDE, seed=0):
-    config = family_config(family, suffix, variant, radius)
-    torch.manual_seed(seed)
-    model = getattr(transformers, FAMILIES[family][0] + suffix)(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():  # away from the init so that no weight is trivially 0 or 1
-            param.add_(torch.randn_like(param) * 0.05)
-    model.save_pretrained(folder)
-    return folder
+    model_class = getattr(transformers, FAMILIES[family][0] + suffix)
+    return save_random(model_class, family_config(family, suffix, variant, radius), folder, seed)
 
 
 @pytest.fixture(scope="module")
@@ -116,46 +97,15 @@ def converted(tmp_path_factory):
     return get
 
 
-def check_parity(reference, ours, suffix, backend, side):
-    """The reference runs right-padded (ModernBERT's `cls` pooling takes position 0); ours runs on `side`, once
-    recording hidden states and attentions (the padded path) and once without (padding-free), with labels."""
-    reference.set_attn_implementation(backend)
-    ours.set_attn_implementation(backend)
-    inputs, labels = right_padded_batch(suffix)
-    mask = inputs["attention_mask"].bool()
-    mine, my_labels = (inputs, labels) if side == "right" else to_left(inputs, labels)
-    my_mask = mine["attention_mask"].bool()
-    eager = backend == "eager"
-    with torch.no_grad():
-        record = {"output_hidden_states": True, "output_attentions": eager}
-        expected = reference(**as_choices(suffix, inputs), **labels, **record)
-        recorded = ours(**as_choices(suffix, mine), **my_labels, **record)
-        free = ours(**as_choices(suffix, mine), **my_labels)
-    want = main_outputs(expected, mask)
-    for actual in (recorded, free):
-        got = main_outputs(actual, my_mask)
-        assert got.keys() == want.keys()
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)
-    for a, e in zip(recorded.hidden_states, expected.hidden_states, strict=True):
-        torch.testing.assert_close(real(a, my_mask), real(e, mask), atol=1e-5, rtol=0)
-    if eager:
-        for a, e in zip(recorded.attentions, expected.attentions, strict=True):
-            for row in range(mask.shape[0]):  # real queries and real keys, in the same order on either side
-                mine_row = a[row][:, my_mask[row]][:, :, my_mask[row]]
-                torch.testing.assert_close(mine_row, e[row][:, mask[row]][:, :, mask[row]], atol=1e-5, rtol=0)
-    if labels and suffix != "ForQuestionAnswering":  # BERT-style QA takes span logits at padding into its loss
-        torch.testing.assert_close(free.loss, expected.loss, atol=1e-5, rtol=0, msg="loss")
-        torch.testing.assert_close(recorded.loss, expected.loss, atol=1e-5, rtol=0, msg="loss")
-
-
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 @pytest.mark.parametrize(("family", "variant", "suffix"), MATRIX)
 def test_every_modern_family_head_backend_and_padding_side_converts_with_parity(
     converted, family, variant, suffix, backend, side
 ):
-    check_parity(*converted(family, variant, suffix), suffix, backend, side)
+    """The reference runs right-padded (ModernBERT's `cls` pooling takes position 0); ours on either side (rotary
+    positions only count relative distances), padded and padding-free."""
+    assert_parity(*converted(family, variant, suffix), suffix, backend, side)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
