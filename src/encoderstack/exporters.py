@@ -181,6 +181,12 @@ def axes(choices: bool) -> tuple[str, ...]:
     return ("batch_size", "num_choices", "sequence_length") if choices else ("batch_size", "sequence_length")
 
 
+def graph_inputs(config) -> tuple[str, ...]:
+    """The inputs the graph takes: token types only where the model has more than one (RoBERTa's and the modern
+    encoders' tokenizers return none, and their one type is what the model adds without them)."""
+    return INPUTS if config.type_vocab_size > 1 else INPUTS[:2]
+
+
 def example_inputs(config, choices: bool) -> dict:
     """What the export traces: a shape that no verification batch has (3 x 8, or 3 x 3 choices x 8), padded."""
     generator = torch.Generator().manual_seed(0)
@@ -188,7 +194,8 @@ def example_inputs(config, choices: bool) -> dict:
     mask = torch.ones(shape, dtype=torch.long)
     mask[1, ..., 5:] = 0
     ids = torch.randint(1, config.vocab_size, shape, generator=generator) * mask
-    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+    inputs = {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+    return {name: inputs[name] for name in graph_inputs(config)}
 
 
 def output_names(model, inputs) -> list[str]:
@@ -204,7 +211,7 @@ def export_config(format_name: str, config, choices: bool, opset: int | None):
 
     longest = {"max": fitting(config)["max_length"]} if config.position_embedding_type == "absolute" else {}
     dims = [torch.export.Dim(axis, **(longest if axis == "sequence_length" else {})) for axis in axes(choices)]
-    dynamic = {name: dict(enumerate(dims)) for name in INPUTS}
+    dynamic = {name: dict(enumerate(dims)) for name in graph_inputs(config)}
     options = {"opset_version": opset} if format_name == "onnx" else {}
     return getattr(exporters, FORMATS[format_name].config)(dynamic_shapes=dynamic, **options)
 
@@ -262,11 +269,8 @@ def run_torch(model, names, batch: dict) -> dict:
 
 
 def verification_batches(folder: Path, config, choices: bool) -> tuple[list[dict], str]:
-    """The tokenizer's encoding of sentences and pairs (random ids without a tokenizer), with all three inputs."""
-    batches = sample_batches(folder, config, choices)
-    for batch in batches:
-        batch.setdefault("token_type_ids", torch.zeros_like(batch["input_ids"]))
-    batches = [{name: batch[name].long() for name in INPUTS} for batch in batches]
+    """The tokenizer's encoding of sentences and pairs (random ids without a tokenizer), with the graph's inputs."""
+    batches = [graph_feeds(batch, config) for batch in sample_batches(folder, config, choices)]
     source = "tokenizer: sentences and sentence pairs" if len(batches) > 1 else "random ids"
     shapes = ", ".join("x".join(map(str, batch["input_ids"].shape)) for batch in batches)
     return batches, f"{source}, padded, shapes {shapes}"
@@ -349,6 +353,11 @@ def int8_agreement(fp32, int8, names, batches: list[dict], base: bool) -> list[d
     return results
 
 
+def graph_feeds(batch: dict, config) -> dict:
+    """The graph's inputs from a tokenizer's batch: int64, token types 0 where the tokenizer gives none."""
+    return {name: batch.get(name, torch.zeros_like(batch["input_ids"])).long() for name in graph_inputs(config)}
+
+
 def calibration_batches(folder: Path, config, choices: bool) -> tuple[list[dict], str]:
     """The shipped sentiment sentences through the tokenizer, 16 a batch (random ids without a tokenizer), and what
     they are."""
@@ -365,9 +374,7 @@ def calibration_batches(folder: Path, config, choices: bool) -> tuple[list[dict]
             for i in range(0, len(texts), 16)
         ]
         described = f"{CALIBRATION_TEXT.name}: first {CALIBRATION_SENTENCES} sentences"
-    batches = [
-        {name: batch.get(name, torch.zeros_like(batch["input_ids"])).long() for name in INPUTS} for batch in batches
-    ]
+    batches = [graph_feeds(batch, config) for batch in batches]
     if choices:
         batches = [{name: value.view(-1, 2, value.shape[-1]) for name, value in batch.items()} for batch in batches]
     return batches, described
@@ -439,7 +446,7 @@ def smooth(model, batches) -> list[str]:
 
 
 def onnx_feeds(batches: list[dict]) -> list[dict]:
-    return [{name: batch[name].numpy() for name in INPUTS} for batch in batches]
+    return [{name: value.numpy() for name, value in batch.items()} for batch in batches]
 
 
 def smoothquant_int8(program, calibration: list[dict]) -> tuple[object, int, str]:
@@ -599,7 +606,8 @@ def export(
     `OpenVINOExporter`; returns the output folder, which `transformers.exporters.ExportedModel.from_pretrained` loads.
 
     The graph is the padded path (padding-free execution stays a PyTorch feature), with int64 inputs `input_ids`,
-    `attention_mask`, `token_type_ids`, dynamic batch (and choices) and sequence axes, and the model's output fields.
+    `attention_mask` and, where the model has more than one token type, `token_type_ids`; dynamic batch (and choices)
+    and sequence axes, and the model's output fields.
     `task` picks the head to load from a folder (default: the folder's architecture). With `verify`, the saved folder
     is loaded back through `ExportedModel` and its outputs compared with PyTorch's on the tokenizer's encoding of
     sample sentences; a difference above 1e-4 fails the export. `quantize="int8"` adds `out/int8/` (ONNX: SmoothQuant,
@@ -628,7 +636,7 @@ def export(
             "encoderstack_class": type(model).__name__,
             "norm_placement": model.config.norm_placement,
             "graph": "padded path (padding_free=False), float32",
-            "inputs": {name: f"int64 [{', '.join(axes(choices))}]" for name in INPUTS},
+            "inputs": {name: f"int64 [{', '.join(axes(choices))}]" for name in graph_inputs(model.config)},
             "outputs": names,
             "runtime": runtime_version(format),
         }
