@@ -65,17 +65,20 @@ def on_the_fly(model_class, folder: Path, task_name: str, *args, **kwargs):
         source.tensors.close()
 
 
-class quiet_load_report:
-    """transformers' load report at error level only, for the one load whose report `check_load` replaces."""
+class quiet_load_report(logging.Filter):
+    """Leaves out transformers' load report of the one load whose report `check_load` replaces (a filter, not a
+    level: transformers runs other checks when its logger's level is raised)."""
 
     logger = logging.getLogger("transformers.modeling_utils")
 
+    def filter(self, record):
+        return " LOAD REPORT" not in record.getMessage()
+
     def __enter__(self):
-        self.level = self.logger.level
-        self.logger.setLevel(logging.ERROR)
+        self.logger.addFilter(self)
 
     def __exit__(self, *exc):
-        self.logger.setLevel(self.level)
+        self.logger.removeFilter(self)
 
 
 def check_load(model, info: dict, conversion: Plan, source) -> None:
