@@ -2,11 +2,14 @@
 
 Everything here is data. The map is a list of (BERT key, EncoderStack key) templates that reads both ways, so
 `convert` and `export_bert` share it; `{i}` stands for a layer index and `{p}` for `weight` or `bias`. BERT keys
-are written without the `bert.` prefix of its heads, EncoderStack keys without the `model.` prefix of ours.
+are written without the `bert.` prefix of its heads, EncoderStack keys without the `model.` prefix of ours. Where a
+target is not one source tensor as it is, the EncoderStack side is a `Piece` (some rows of the source, or one row
+block of the target), or a tuple of them when one source tensor feeds several targets (a fused QKV projection).
 `FAMILIES` holds every source family (BERT, Megatron-BERT, RoBERTa and its kin): its class and key prefixes, the
 EncoderStack fields its layout implies, and where its keys differ from BERT's.
 """
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +45,48 @@ LM_HEAD_KEYS = [
     ("cls.predictions.bias", "lm_head.decoder.bias"),
     ("cls.predictions.decoder.weight", "lm_head.decoder.weight"),
 ]
+
+
+RowSelection = Callable[[object, int], list[int]]  # (EncoderStackConfig, the source's row count) -> row indices
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A target built from a source tensor by rows: the source rows `rows` selects, in that order (None: all of
+    them), fill row block `block` of the `of` equal blocks of the target. The converter streams each piece in turn."""
+
+    target: str
+    rows: RowSelection | None = None
+    block: int = 0
+    of: int = 1
+
+    def format(self, **groups) -> "Piece":
+        return dataclasses.replace(self, target=self.target.format(**groups))
+
+
+def parts(*order: int, of: int) -> RowSelection:
+    """The source's rows as `of` equal blocks, taken in `order`: `parts(0, of=3)` is the query third of a fused
+    [Q; K; V] projection; `parts(1, 0, of=2)` swaps the two halves of a packed [up; gate] projection."""
+
+    def select(config, count: int) -> list[int]:
+        size = count // of
+        return [row for block in order for row in range(block * size, (block + 1) * size)]
+
+    return select
+
+
+def head_part(part: int, of: int, rotary_pairs: bool = False) -> RowSelection:
+    """Part `part` of each head of a projection fused per head (rows viewed as (heads, of, head_dim)): NeoBERT's qkv.
+    `rotary_pairs`: the head's features reordered from rotary on pairs (2i, 2i+1) to rotate-half's [0, 2, 4, ..., 1,
+    3, 5, ...], so that rotate-half on the reordered query and key gives the same scores."""
+
+    def select(config, count: int) -> list[int]:
+        heads = config.num_attention_heads
+        head_dim = count // (heads * of)
+        order = [*range(0, head_dim, 2), *range(1, head_dim, 2)] if rotary_pairs else list(range(head_dim))
+        return [(head * of + part) * head_dim + feature for head in range(heads) for feature in order]
+
+    return select
 
 
 @dataclass(frozen=True)
@@ -301,6 +346,7 @@ FAMILIES |= {
     ),
 }
 
+
 # Families that transformers has but EncoderStack's layers cannot express, and why.
 REFUSED_FAMILIES = {
     "albert": "ALBERT shares one set of layer weights across the stack and factorizes the embeddings",
@@ -346,12 +392,17 @@ def _compile(template: str) -> re.Pattern:
     return re.compile(pattern + r"\Z")
 
 
-def translate(key: str, pairs, reverse: bool = False) -> str | None:
-    """The other side's name of `key` under the first matching (BERT, EncoderStack) template, or None."""
+def translate(key: str, pairs, reverse: bool = False):
+    """The other side's name of `key` under the first matching (BERT, EncoderStack) template, or None; forward, a
+    `Piece` or a tuple of them where the template says so. Reverse, only plain names translate."""
     for bert, ours in pairs:
+        if reverse and not isinstance(ours, str):
+            continue
         source, target = (ours, bert) if reverse else (bert, ours)
         match = _compile(source).match(key)
         if match:
+            if isinstance(target, tuple):
+                return tuple(piece.format(**match.groupdict()) for piece in target)
             return target.format(**match.groupdict())
     return None
 

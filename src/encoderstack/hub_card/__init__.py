@@ -45,6 +45,7 @@ PLACEMENT_TAGS = {
     "hybrid_star": "hybridnorm-star",
     "admin": "admin",
     "deepscale": "deepscalelm",
+    "pre_skip_first": "pre-ln",
 }
 # Facts about the weights, not about this particular folder: they hold for the converted model as for its source.
 CARRIED_METADATA = ("license", "license_name", "license_link", "language", "datasets", "metrics")
