@@ -173,8 +173,16 @@ def test_a_load_that_strays_from_the_plan_is_refused(tmp_path, monkeypatch):
 
 
 def test_a_mapping_whose_target_is_another_source_name_is_left_to_the_converter():
-    plan = converter.Plan("bert", TASKS["base"], None, {"a.x": ("b.x", False), "c.x": ("a.x", False)}, {}, [])
+    whole = {"a.x": (converter.SourceRows("b.x"),), "c.x": (converter.SourceRows("a.x"),)}
+    plan = converter.Plan("bert", TASKS["base"], None, whole, {}, [])
     assert on_the_fly.key_mapping(plan) is None  # transformers would rename a.x -> c.x after b.x -> a.x
+    plan.mapped = {"c.x": (converter.SourceRows("a.x"),)}
+    assert on_the_fly.key_mapping(plan) == {r"^a\.x$": "c.x"}
+
+
+def test_a_target_built_from_rows_of_a_fused_tensor_is_left_to_the_converter():
+    rows = {"q": (converter.SourceRows("qkv", rows=(0, 1)),), "k": (converter.SourceRows("qkv", rows=(2, 3)),)}
+    assert on_the_fly.key_mapping(converter.Plan("x", TASKS["base"], None, rows, {}, [])) is None
 
 
 def test_a_tensorflow_release_still_loads_through_a_temporary_conversion(tmp_path):

@@ -17,28 +17,41 @@ from pathlib import Path
 import transformers
 
 from ..configuration_encoderstack import EncoderStackConfig
-from .converter import Plan, all_finite, bert_family, convert, open_source, plan
+from .converter import Plan, SourceRows, all_finite, bert_family, convert, open_source, plan
 from .keymap import ConversionError, task_for_encoderstack_class
 from .sources import read_config
 
 SKIPPED = "encoderstack_skipped."  # a skipped tensor is renamed here: no model has it, so transformers sets it aside
 
 
-def key_mapping(conversion: Plan) -> dict:
-    """One anchored renaming per source tensor: mapped ones to their target, skipped ones out of the model's way.
-    A planned key is never renamed twice: transformers applies every matching renaming in turn, and an exact,
-    anchored source name matches only itself."""
-    mapping = {f"^{re.escape(key)}$": target for target, (key, _) in conversion.mapped.items()}
+def whole_tensors(conversion: Plan) -> dict | None:
+    """{target: source key} where every target is one source tensor as it is; None where some target is built from
+    rows (a fused QKV projection split, a packed [up; gate] reordered), which a renaming cannot express."""
+    whole = {
+        target: pieces[0].key for target, pieces in conversion.mapped.items() if pieces == (SourceRows(pieces[0].key),)
+    }
+    return whole if len(whole) == len(conversion.mapped) else None
+
+
+def key_mapping(conversion: Plan) -> dict | None:
+    """One anchored renaming per source tensor: mapped ones to their target, skipped ones out of the model's way; None
+    where renamings cannot express the plan. A planned key is never renamed twice: transformers applies every matching
+    renaming in turn, and an exact, anchored source name matches only itself."""
+    whole = whole_tensors(conversion)
+    if whole is None:
+        return None
+    mapping = {f"^{re.escape(key)}$": target for target, key in whole.items()}
     mapping |= {f"^{re.escape(key)}$": SKIPPED + str(n) for n, key in enumerate(sorted(conversion.skipped))}
-    renamed_again = set(mapping.values()) & {key for key, _ in conversion.mapped.values()} - {
-        target for target, (key, _) in conversion.mapped.items() if key == target
+    renamed_again = set(mapping.values()) & set(whole.values()) - {
+        target for target, key in whole.items() if key == target
     }
     return mapping if not renamed_again else None
 
 
 def on_the_fly(model_class, folder: Path, task_name: str, *args, **kwargs):
     """The model of `model_class`, loaded from the BERT-family folder by transformers with our key mapping; None where
-    the mapping cannot express the source (a TensorFlow release: its own file format and transposed kernels)."""
+    renamings cannot express the source: a TensorFlow release (its own file format, transposed kernels) or a family
+    whose targets are built from rows of fused tensors (GTE, NomicBERT, jina-embeddings-v3, ModernBERT, ...)."""
     source = open_source(folder)
     try:
         if source.reference != "source" or any(transpose for _, transpose in source.bert_names.values()):
@@ -101,7 +114,7 @@ def check_load(model, info: dict, conversion: Plan, source) -> None:
             type(model).__name__,
             ", ".join(conversion.initialized),
         )
-    for target, (key, _) in conversion.mapped.items():
+    for target, key in whole_tensors(conversion).items():
         if not all_finite(model.get_parameter(target)):
             raise ConversionError(f"{source.tensors.file_of(key)}: tensor {key!r} holds NaN or infinite values")
 
