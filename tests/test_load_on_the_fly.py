@@ -13,6 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from test_convert_bert import bert_folder
 from test_convert_family import FAMILIES, SUFFIXES, family_folder
+from test_convert_rope_families import rope_folder
 
 import encoderstack
 from encoderstack.conversion import converter, on_the_fly
@@ -195,3 +196,15 @@ def test_a_tensorflow_release_still_loads_through_a_temporary_conversion(tmp_pat
     )
     assert_same_model(model, expected)
     assert {path.name for path in tmp_path.iterdir()} == {"tf", "out"}
+
+
+@pytest.mark.parametrize("family", ["gte", "nomic_bert", "jina_embeddings_v3"])
+def test_a_family_with_fused_projections_loads_through_a_temporary_conversion(family, tmp_path, monkeypatch):
+    """Their query, key and value are rows of one stored tensor: no renaming reaches them."""
+    source = rope_folder(tmp_path / "source", family, "ForMaskedLM")
+    converted = []
+    monkeypatch.setattr(on_the_fly, "convert", lambda *a, **k: converted.append(a) or encoderstack.convert(*a, **k))
+    model = encoderstack.EncoderStackForMaskedLM.from_pretrained(source)
+    assert len(converted) == 1
+    expected = through_the_converter(source, tmp_path / "out", encoderstack.EncoderStackForMaskedLM, TASKS["masked-lm"])
+    assert_same_model(model, expected)
