@@ -85,6 +85,9 @@ def assert_parity(reference, ours, suffix, backend, side, reference_side="right"
     reference.set_attn_implementation(backend)
     ours.set_attn_implementation(backend)
     inputs, labels = right_padded_batch(suffix)
+    lengths = inputs["attention_mask"].sum(-1, keepdim=True)  # the second half of each sequence is of type 1
+    types = (torch.arange(inputs["input_ids"].shape[-1]) >= lengths // 2) & inputs["attention_mask"].bool()
+    inputs = {**inputs, "token_type_ids": types.long()}
     mine, my_labels = (inputs, labels) if side == "right" else to_left(inputs, labels)
     my_mask = mine["attention_mask"].bool()
     if reference_side is None:
