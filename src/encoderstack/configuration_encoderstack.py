@@ -44,7 +44,7 @@ PLACEMENT_EQUATIONS = {
     "pre_skip_first": "`pre`, except that layer 1's attention reads `h` itself (the embedding norm serves)",
 }
 GATED_ACTIVATIONS = {"geglu": "gelu", "swiglu": "silu"}
-HeadLayout = Literal["bert", "roberta", "electra", "distilbert", "modernbert", "eurobert", "ultrabert"]
+HeadLayout = Literal["bert", "roberta", "electra", "distilbert", "modernbert", "eurobert", "ultrabert", "neobert"]
 HEAD_LAYOUTS = get_args(HeadLayout)
 LayerType = Literal["full_attention", "sliding_attention"]  # transformers' names
 LAYER_TYPES = get_args(LayerType)
@@ -120,8 +120,9 @@ class EncoderStackConfig(PreTrainedConfig):
         prediction head) on its pooled or per-token features, the masked-LM head dense,
         gelu, norm and the decoder; `"eurobert"`: sequence classification dense and gelu on the pooled features, the
         masked-LM head the decoder alone; `"ultrabert"`: the classifiers on the pooled or per-token features
-        directly, the masked-LM head two projections through `prediction_head_size`, each followed by gelu (tanh).
-        No pooler in these three.
+        directly, the masked-LM head two projections through `prediction_head_size`, each followed by gelu (tanh);
+        `"neobert"`: sequence classification dense and tanh on the first token, the masked-LM head the decoder alone.
+        No pooler in these four.
     classifier_pooling (`str`, defaults to `"first"`):
         What the sequence-level heads read: `"first"` (each sequence's first real token), `"mean"` (the mean of its
         real tokens) or `"late"` (EuroBERT: the head's logits on every real token, averaged).

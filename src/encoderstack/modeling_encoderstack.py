@@ -20,7 +20,11 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.masking_utils import create_bidirectional_mask, packed_sequence_mask_function
+from transformers.masking_utils import (
+    create_bidirectional_mask,
+    create_bidirectional_sliding_window_mask,
+    packed_sequence_mask_function,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPooling,
@@ -250,8 +254,12 @@ class PackedSequences:
 
     def sequence_ids(self) -> torch.Tensor:
         """(batch, seq): which sequence each token of flattened rows belongs to (for a block-diagonal mask)."""
+        return self.packed_sequence_ids().view(self.shape)
+
+    def packed_sequence_ids(self) -> torch.Tensor:
+        """(1, tokens): which sequence each token of the packed row belongs to."""
         sequences = torch.arange(len(self.lengths), device=self.lengths_tensor.device)
-        return sequences.repeat_interleave(self.lengths_tensor).view(self.shape)
+        return sequences.repeat_interleave(self.lengths_tensor)[None]
 
     def position_ids(self) -> torch.Tensor:
         """(batch, seq) of flattened rows: each token's position within its own sequence."""
@@ -321,6 +329,8 @@ try:
 except Exception:  # absent before torch 2.10; a build whose kernels fail to load raises other errors too
     varlen_attn = None
 varlen_attn, VARLEN_TAKES_SCALE = inspect_varlen_attn(varlen_attn) if varlen_attn is not None else (None, False)
+# sliding layers need its `window_size` (flash's inclusive (left, right)); where it has none, they run banded
+VARLEN_TAKES_WINDOW = varlen_attn is not None and "window_size" in inspect.signature(varlen_attn).parameters
 
 
 def cuda_capability(device: torch.device) -> tuple[int, int] | None:
@@ -347,6 +357,9 @@ class PlanFacts:
     recording: bool  # hidden states or attention maps asked for: the hooks record the padded layout
     compiling: bool  # packed shapes change with every batch (a recompile each): compiled code stays padded
     varlen_kernel: bool  # torch's varlen_attn imported, with a signature this model can call
+    sliding_window: int | None = None  # the sliding layers' radius; None when no layer slides
+    longest: int = 0  # the longest sequence the layers see (the row's length where the lengths are not read)
+    varlen_window: bool = True  # torch's varlen_attn takes `window_size`
 
 
 @dataclass(frozen=True)
@@ -362,6 +375,10 @@ class ExecutionPlan:
     mask: on CPU flex has no backward, eager flex materializes every score (45-124x slower than per-sequence), and
     compiled flex was 4.5x slower where inductor could build it at all (docs/benchmarks/flex-document-mask-1thread.txt).
     On CUDA that comparison has not been measured (benchmarks/gpu_check.py runs it).
+
+    Sliding layers are one more fact of the same plan: `sliding` names the attention function they run (None: they
+    run as full layers, because no layer slides or the window covers every sequence), with the window as
+    transformers' `sliding_window` kwarg (see `sliding_attention`).
     """
 
     kind: str
@@ -369,11 +386,23 @@ class ExecutionPlan:
     reason: str
     facts: PlanFacts
     packing: "PackedSequences | None" = None
+    sliding: str | None = None
 
     @property
     def packed(self) -> bool:
         """Whether the layers run on the packed row of real tokens (and attention reads `cu_seq_lens`)."""
         return self.kind in ("varlen", "per_sequence")
+
+    def runs_as(self, layer_type: str) -> str:
+        """The layer type a layer of `layer_type` runs as: a sliding layer whose window covers everything is full."""
+        return "sliding_attention" if layer_type == "sliding_attention" and self.sliding else "full_attention"
+
+    def layer_attention(self, layer_type: str) -> tuple[str, dict]:
+        """The attention function a layer of `layer_type` calls, and what it adds to the call: the radius as
+        transformers' `sliding_window` kwarg, radius + 1 (flash's window is inclusive; ModernBERT passes it so)."""
+        if self.runs_as(layer_type) == "sliding_attention":
+            return self.sliding, {"sliding_window": self.facts.sliding_window + 1}
+        return self.attention, {}
 
 
 def flash_missing(facts: PlanFacts) -> str | None:
@@ -393,8 +422,38 @@ def flash_missing(facts: PlanFacts) -> str | None:
 
 
 def decide_plan(facts: PlanFacts) -> ExecutionPlan:
-    """The one decision of how a forward runs: a pure function of `facts`, so that every cell can be tested anywhere."""
+    """The one decision of how a forward runs: a pure function of `facts`, so that every cell can be tested anywhere.
+    The kind and the full layers' attention first, then how the sliding layers run on that kind."""
+    plan = decide_kind(facts)
+    if facts.sliding_window is None:
+        return plan
+    sliding, why = sliding_attention(facts, plan)
+    return dataclasses.replace(plan, sliding=sliding, reason=f"{plan.reason}; sliding layers: {why}")
 
+
+def sliding_attention(facts: PlanFacts, plan: ExecutionPlan) -> tuple[str | None, str]:
+    """How the sliding layers run on `plan`: a flash kernel's own window where one runs; a dense band mask where the
+    forward is compiled or records attention maps (both run padded, and the maps are tokens x tokens anyway); flex
+    attention's block-sparse band mask on CUDA; everywhere else `banded_attention`, O(tokens x window) (on CPU, flex
+    attention outside torch.compile computes every score; nested SDPA takes no window)."""
+    radius = facts.sliding_window
+    if not facts.compiling and radius >= facts.longest - 1:  # compiled code must not branch on the length
+        return None, f"the window (radius {radius}) covers every sequence ({facts.longest} tokens): run as full"
+    if plan.attention == VARLEN_ATTENTION:
+        if facts.varlen_window:
+            return VARLEN_ATTENTION, f"varlen_attn's window_size ({radius}, {radius})"
+        return BANDED_ATTENTION, "this varlen_attn has no window_size: banded over the packed row"
+    if is_flash_attention_requested(requested_attention_implementation=plan.attention):
+        return plan.attention, f"flash's window ({radius}, {radius})"
+    if facts.compiling or facts.recording:
+        return plan.attention, "a dense (tokens x tokens) band mask"
+    if facts.backend == "flex_attention" and facts.device_type == "cuda" and not plan.packed:
+        return "flex_attention", "a block-sparse band mask"
+    where = "the packed row" if plan.packed else "the rows"
+    return BANDED_ATTENTION, f"banded over {where}, O(tokens x window)"
+
+
+def decide_kind(facts: PlanFacts) -> ExecutionPlan:
     def plan(kind, reason, attention=facts.backend):
         return ExecutionPlan(kind, attention, reason, facts)
 
@@ -489,12 +548,17 @@ def per_sequence_attention(module, query, key, value, attention_mask, sequence_l
     return torch.cat(contexts, dim=1), None
 
 
-def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def varlen_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs
+):
     """torch's `varlen_attn` (flash, CUDA, half precision): every packed sequence in one call. It has no dropout
-    argument: when attention dropout trains, the plan names `nested_attention` instead."""
+    argument: when attention dropout trains, the plan names `nested_attention` instead. `sliding_window` is
+    transformers' kwarg (flash's inclusive window is `sliding_window - 1` keys either side, the radius)."""
     query, key, value = (x.transpose(1, 2).squeeze(0) for x in (query, key, value))  # (tokens, heads, head_dim)
-    scale = {"scale": scaling} if VARLEN_TAKES_SCALE else {}
-    context = varlen_attn(query, key, value, *(kwargs[name] for name in VARLEN_KWARGS), **scale)
+    options = {"scale": scaling} if VARLEN_TAKES_SCALE else {}
+    if sliding_window is not None:
+        options["window_size"] = (sliding_window - 1, sliding_window - 1)
+    context = varlen_attn(query, key, value, *(kwargs[name] for name in VARLEN_KWARGS), **options)
     return context.unsqueeze(0), None
 
 
@@ -514,11 +578,58 @@ def nested_attention(module, query, key, value, attention_mask, scaling=None, dr
     return context.transpose(1, 2).values().unsqueeze(0), None
 
 
+def band_block(radius: int) -> int:
+    """Queries per block of `banded_attention`: the radius (rounded up to a power of two), 32 to 128. Each block
+    computes block x (block + 2 radius) scores, so a small block wastes little on scores outside the band but makes
+    more, smaller matmuls. Measured on this CPU, 1 thread, 4096 tokens, 4 heads of 64, two runs on a shared machine
+    (docs/benchmarks/sliding-window-blocks-1thread.txt): this choice was the fastest or within 15% of it at radius 16,
+    64 and 128, where blocks of 16 were up to 1.7x slower and 512 2-6x slower."""
+    return min(max(32, 1 << (radius - 1).bit_length()), 128)
+
+
+def banded_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **_):
+    """Sliding-window attention that costs O(tokens x window): the queries in blocks, each block against the keys
+    within the radius of its first and last query (one batched matmul over all blocks, no loop), masked to the band
+    |i - j| <= radius and to the query's own sequence. No tokens x tokens tensor exists.
+
+    `sliding_window` is transformers' kwarg (the radius + 1, as flash reads it). `attention_mask` is not a mask but
+    each token's sequence id, (batch, seq) (padding: -1), or None when every row is one sequence: padded rows,
+    packed real tokens and flattened rows all run here, with distances along the row equal to distances within a
+    sequence."""
+    radius, length = sliding_window - 1, query.shape[2]
+    block = band_block(radius)
+    blocks, span = -(-length // block), block + 2 * radius
+    tail = blocks * block - length
+
+    def key_windows(x):  # (batch, heads, seq, dim) -> (batch, heads, blocks, span, dim): each block's keys, a view
+        return nn.functional.pad(x, (0, 0, radius, radius + tail)).unfold(2, span, block).transpose(-1, -2)
+
+    queries = nn.functional.pad(query, (0, 0, 0, tail)).unflatten(2, (blocks, block))
+    scores = torch.matmul(queries, key_windows(key).transpose(-1, -2)) * scaling  # (batch, heads, blocks, block, span)
+    starts = torch.arange(blocks, device=query.device)[:, None, None] * block
+    query_at = starts + torch.arange(block, device=query.device)[:, None]  # (blocks, block, 1)
+    key_at = starts - radius + torch.arange(span, device=query.device)  # (blocks, 1, span)
+    allowed = ((query_at - key_at).abs() <= radius) & (key_at >= 0) & (key_at < length)
+    if attention_mask is not None:
+        ids = attention_mask.to(query.device)
+        query_ids = nn.functional.pad(ids, (0, tail), value=-2).unflatten(1, (blocks, block))
+        key_ids = nn.functional.pad(ids, (radius, radius + tail), value=-3).unfold(1, span, block)
+        allowed = allowed & (query_ids[..., None] == key_ids[:, :, None, :])  # (batch, blocks, block, span)
+        allowed = allowed.unsqueeze(1)
+    # the most negative finite score, not -inf: a row with nothing allowed (padding past the end) stays finite
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    weights = nn.functional.softmax(scores, dim=-1)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    context = torch.matmul(weights, key_windows(value)).flatten(2, 3)[:, :, :length]
+    return context.transpose(1, 2).contiguous(), None
+
+
 VARLEN_ATTENTION, PER_SEQUENCE = "encoderstack_varlen", "encoderstack_per_sequence"
-NESTED_ATTENTION = "encoderstack_nested"
+NESTED_ATTENTION, BANDED_ATTENTION = "encoderstack_nested", "encoderstack_banded"
 AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
 AttentionInterface.register(PER_SEQUENCE, per_sequence_attention)
 AttentionInterface.register(NESTED_ATTENTION, nested_attention)
+AttentionInterface.register(BANDED_ATTENTION, banded_attention)
 
 
 class LayerProjection(nn.Linear):
@@ -535,9 +646,10 @@ class EncoderStackAttention(nn.Module):
 
     is_causal = False
 
-    def __init__(self, config: EncoderStackConfig, qkv_norm: bool = False):
+    def __init__(self, config: EncoderStackConfig, qkv_norm: bool = False, layer_type: str = "full_attention"):
         super().__init__()
         self.config = config
+        self.layer_type = layer_type
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim**-0.5
         # grouped-query attention: each key/value head serves `groups` query heads
@@ -564,7 +676,7 @@ class EncoderStackAttention(nn.Module):
         if self.groups > 1:
             key, value = (x.repeat_interleave(self.groups, dim=-2) for x in (key, value))
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
-        name = plan.attention if plan is not None else self.config._attn_implementation
+        name, window = (self.config._attn_implementation, {}) if plan is None else plan.layer_attention(self.layer_type)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)
         context, weights = attention(
             self,
@@ -574,6 +686,7 @@ class EncoderStackAttention(nn.Module):
             attention_mask,
             scaling=self.scaling,
             dropout=self.attention_dropout if self.training else 0.0,
+            **window,
             **kwargs,
         )
         return self.output(context.reshape(*hidden_states.shape[:-1], -1)), weights
@@ -714,7 +827,8 @@ class EncoderStackLayer(GradientCheckpointingLayer):
     def __init__(self, config: EncoderStackConfig, layer_idx: int):
         super().__init__()
         attention = PLACEMENTS[config.norm_placement].at(config, layer_idx, "attention")
-        self.attention = EncoderStackAttention(config, qkv_norm=attention.qkv_norm)
+        self.layer_type = (config.layer_types or ["full_attention"] * config.num_hidden_layers)[layer_idx]
+        self.attention = EncoderStackAttention(config, qkv_norm=attention.qkv_norm, layer_type=self.layer_type)
         self.attention_residual = Residual(config, layer_idx, "attention")
         self.mlp = EncoderStackMLP(config)
         self.mlp_residual = Residual(config, layer_idx, "mlp")
@@ -781,6 +895,7 @@ HEADS = {
     "modernbert": Heads(sequence="gelu", choice="gelu", token="gelu", lm_act="gelu", pooler=False, transform_norm=True),
     "eurobert": Heads(sequence="gelu", pooler=False, lm="decoder"),
     "ultrabert": Heads(lm_act="gelu_pytorch_tanh", pooler=False, lm="two_layer"),
+    "neobert": Heads(sequence="tanh", pooler=False, lm="decoder"),
 }
 
 
@@ -964,16 +1079,13 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
 
         hidden_states = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
         if plan.packed:
-            mask = None
             kwargs.update(packing.attention_kwargs())
-        else:
-            blocks = plan.kind == "block_diagonal"
-            sequences = packed_sequence_mask_function(packing.sequence_ids()) if blocks else None
-            mask = create_bidirectional_mask(self.config, hidden_states, attention_mask, and_mask_function=sequences)
+        masks = self.attention_masks(plan, hidden_states, attention_mask)
         # in the compute dtype: under autocast, float32 tables would promote bfloat16 queries and keys back to float32
         rotary = self.rotary(position_ids, plan.facts.dtype) if self.rotary is not None else None
         dual = None
         for layer in self.layers:
+            mask = masks[plan.runs_as(layer.layer_type)]
             hidden_states, dual = layer(hidden_states, dual, mask, rotary, plan=plan, **kwargs)
         hidden_states = self.final(hidden_states, dual)
         if plan.packed:  # scatter once, at the end
@@ -982,6 +1094,34 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         if self.pooler is not None:
             pooled = self.pooler(first_tokens(hidden_states, attention_mask, packing))
         return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooled)
+
+    def attention_masks(self, plan: ExecutionPlan, hidden_states, attention_mask) -> dict:
+        """Each layer type's mask, built once and only for the types that run (as transformers' ModernBERT keeps them):
+        none on packed rows (attention reads `cu_seq_lens`), the padding (and block-diagonal) mask of full layers,
+        and for sliding layers what their attention function reads: each token's sequence id for
+        `banded_attention`, else the band as a mask (dense, or flex attention's block-sparse one)."""
+        packing, layer_types = plan.packing, {plan.runs_as(layer.layer_type) for layer in self.layers}
+        masks = dict.fromkeys(layer_types)
+        sequences = None
+        if plan.kind == "block_diagonal":
+            sequences = packed_sequence_mask_function(packing.sequence_ids())
+        if "full_attention" in layer_types and not plan.packed:
+            masks["full_attention"] = create_bidirectional_mask(
+                self.config, hidden_states, attention_mask, and_mask_function=sequences
+            )
+        if "sliding_attention" not in layer_types:
+            return masks
+        if plan.sliding == BANDED_ATTENTION:
+            if packing is not None:
+                ids = packing.packed_sequence_ids() if plan.packed else packing.sequence_ids()
+                masks["sliding_attention"] = ids
+            elif attention_mask is not None:
+                masks["sliding_attention"] = attention_mask.long() - 1  # one sequence a row; padding -1
+        elif not plan.packed:
+            masks["sliding_attention"] = create_bidirectional_sliding_window_mask(
+                self.config, hidden_states, attention_mask, and_mask_function=sequences
+            )
+        return masks
 
     def execution_plan(
         self,
@@ -1017,14 +1157,19 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
             if padding_free and not torch.compiler.is_compiling():
                 lengths = real.sum(-1).tolist()  # the one host sync of a padded batch's plan
                 kind = "padded" if any(lengths) and min(lengths) < shape[1] else "whole"
-        plan = decide_plan(self.plan_facts(kind, device, padding_free, kwargs))
+        longest = max(lengths) if lengths else packing.max_length if packing is not None else shape[1]
+        plan = decide_plan(self.plan_facts(kind, device, padding_free, kwargs, longest))
+        if plan.sliding is not None and attention_mask is not None and attention_mask.dim() == 4:
+            raise ValueError(
+                "A prepared 4-D `attention_mask` cannot carry the sliding layers' window: pass the 2-D padding mask."
+            )
         if plan.packed and packing is None:
             packing = PackedSequences.from_attention_mask(real, lengths)
         if not torch.compiler.is_compiling():  # a logging call would break the compiled graph
             logger.debug("EncoderStack execution plan: %s through %s: %s", plan.kind, plan.attention, plan.reason)
         return dataclasses.replace(plan, packing=packing)
 
-    def plan_facts(self, inputs: str, device: torch.device, padding_free: bool, kwargs) -> PlanFacts:
+    def plan_facts(self, inputs: str, device: torch.device, padding_free: bool, kwargs, longest: int = 0) -> PlanFacts:
         """What the plan depends on, read here and nowhere else: the compute dtype is autocast's where autocast is on
         (`Trainer(bf16=True)` keeps float32 weights), else the weights'."""
         config = self.config
@@ -1045,6 +1190,9 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
             recording=bool(recording),
             compiling=torch.compiler.is_compiling(),
             varlen_kernel=varlen_attn is not None,
+            sliding_window=config.sliding_window if "sliding_attention" in (config.layer_types or ()) else None,
+            longest=longest,
+            varlen_window=VARLEN_TAKES_WINDOW,
         )
 
     def _check_sequence_length(self, longest: int) -> None:

@@ -297,9 +297,7 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
                 )
             skipped[key] = f"head of task {owner!r}, not used by task {task.name!r}"
         elif all(piece.target not in expected and piece.target.startswith(prefix + "pooler.") for piece in pieces):
-            skipped[key] = (
-                f"pooler: {task.encoderstack_class} has none, as {family.architecture_prefix + task.bert_suffix}"
-            )
+            skipped[key] = f"pooler: {task.encoderstack_class} has none, as {family.architecture(task)}"
         else:
             check_source_tensor(source, key)
             for piece in pieces:
@@ -575,7 +573,7 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
     output = OutputFolder(output_path, force, inputs=[folder])
     with output as partial:
         getattr(transformers, EXPORT_FAMILIES[config.head_layout][2])(
-            **family_config, num_labels=config.num_labels, architectures=[family.architecture_prefix + task.bert_suffix]
+            **family_config, num_labels=config.num_labels, architectures=[family.architecture(task)]
         ).save_pretrained(partial)
         write_safetensors(partial / "model.safetensors", tensors, mapped)
         skip = set(WEIGHT_FILE_NAMES) | {"config.json", "conversion.json", *CODE_FILES}

@@ -1,0 +1,243 @@
+"""Sliding-window attention: peak memory and time of a stack of sliding layers against the same model forced to a
+dense band mask (SDPA), and a ModernBERT-patterned model against transformers' ModernBertModel (SDPA), same weights,
+ratios in one run.
+
+    python benchmarks/sliding_window.py --threads 1              # (a) 512 ... 16384 tokens, radius 64; (b) at 8192
+    python benchmarks/sliding_window.py --quick                  # small lengths, one round
+    python benchmarks/sliding_window.py --blocks --threads 1     # the block size of banded attention, measured
+
+Peak memory is the process's resident high-water mark over one forward, each cell in a fresh process (the allocator
+keeps what an earlier cell freed), above what it held before the forward; time is interleaved in this process.
+"""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import common
+import torch
+from common import encoderstack, transformers
+
+from encoderstack import modeling_encoderstack
+
+STACK = {"hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 1024}
+MODERN = {"hidden_size": 256, "num_hidden_layers": 9, "num_attention_heads": 4, "intermediate_size": 384}
+
+
+@contextlib.contextmanager
+def dense_band():
+    """The same model with its sliding layers forced to a dense (tokens x tokens) band mask: what the plan gives
+    a compiled forward, and what SDPA/eager sliding layers cost before banded attention."""
+    original = modeling_encoderstack.sliding_attention
+    modeling_encoderstack.sliding_attention = lambda facts, plan: (plan.attention, "a dense band mask (forced)")
+    try:
+        yield
+    finally:
+        modeling_encoderstack.sliding_attention = original
+
+
+def sliding_stack(spec, radius, max_length):
+    fields = {**STACK, **spec} if isinstance(spec, dict) else dict(STACK)
+    fields["max_position_embeddings"] = max_length
+    layers = fields["num_hidden_layers"]
+    config = encoderstack.EncoderStackConfig(
+        **fields, position_embedding_type="rope", layer_types=["sliding_attention"] * layers, sliding_window=radius
+    )
+    torch.manual_seed(0)
+    return common.with_backend(encoderstack.EncoderStackModel(config, add_pooling_layer=False).eval(), "sdpa")
+
+
+def resident_kib(field):
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field))
+
+
+def measure_memory(request):
+    """In a fresh process: the peak resident memory (MiB) one forward adds to what the process held before it."""
+    spec, radius, length, variant, threads = json.loads(request)
+    torch.set_num_threads(threads)
+    model = sliding_stack(spec, radius, length)
+    ids = torch.randint(1, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # resets the high-water mark to the current resident size
+    before = resident_kib("VmRSS")
+    with torch.inference_mode(), dense_band() if variant == "dense" else contextlib.nullcontext():
+        model(input_ids=ids)
+    print(json.dumps((resident_kib("VmHWM") - before) / 1024))
+
+
+def peak_mib(spec, radius, length, variant, threads):
+    request = json.dumps([spec, radius, length, variant, threads])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(
+        [sys.executable, __file__, "--measure-memory", request], capture_output=True, text=True, env=env, check=True
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def timed_pair(model, length, iterations, device):
+    ids = torch.randint(1, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+
+    def run(variant):
+        def forward():
+            with torch.inference_mode(), dense_band() if variant == "dense" else contextlib.nullcontext():
+                model(input_ids=ids)
+
+        return forward
+
+    seconds, _ = common.interleave({"banded": run("banded"), "dense": run("dense")}, iterations, device, 64)
+    return seconds
+
+
+def memory_table(args, spec, lengths, iterations):
+    rows = []
+    for length in lengths:
+        model = sliding_stack(spec, args.radius, length)
+        memory = {v: peak_mib(spec, args.radius, length, v, torch.get_num_threads()) for v in ("banded", "dense")}
+        seconds = timed_pair(model, length, iterations, args.device)
+        rows.append(
+            [
+                common.model_name(spec) if isinstance(spec, dict) else "sliding-stack",
+                length,
+                args.radius,
+                f"{memory['banded']:.0f}",
+                f"{memory['dense']:.0f}",
+                f"{memory['dense'] / max(memory['banded'], 1e-9):.1f}",
+                f"{seconds['banded'] * 1000:.0f}",
+                f"{seconds['dense'] * 1000:.0f}",
+                f"{seconds['dense'] / seconds['banded']:.2f}",
+            ]
+        )
+    layers = (spec if isinstance(spec, dict) else STACK).get("num_hidden_layers", STACK["num_hidden_layers"])
+    print(f"(a) {layers} sliding layers, batch 1; banded (ours) against the same weights with a dense band mask (SDPA)")
+    print(f"{iterations} interleaved rounds per cell, medians; peak memory: one forward, in a fresh process each")
+    common.print_table(
+        rows,
+        [
+            "model",
+            "tokens",
+            "radius",
+            "peak MiB banded",
+            "peak MiB dense",
+            "memory ratio",
+            "ms banded",
+            "ms dense",
+            "speed-up",
+        ],
+    )
+
+
+def modernbert_pair(length, radius, folder):
+    """transformers' ModernBertModel (global attention every 3rd layer, local_attention = 2 radius) and EncoderStack's
+    conversion of it, same weights; None where this EncoderStack cannot convert ModernBERT (yet)."""
+    config = transformers.ModernBertConfig(
+        **MODERN,
+        max_position_embeddings=length,
+        global_attn_every_n_layers=3,
+        local_attention=2 * radius,
+    )
+    torch.manual_seed(0)
+    reference = transformers.ModernBertModel(config)
+    reference.save_pretrained(folder)
+    try:
+        ours = encoderstack.EncoderStackModel.from_pretrained(folder)
+    except Exception as error:  # noqa: BLE001  (conversion is another change: say why and go on)
+        return reference, None, f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    return tuple(common.with_backend(model.eval(), "sdpa") for model in (reference, ours)) + (None,)
+
+
+def modernbert_table(args, length, iterations):
+    with common.scratch_folder() as folder:
+        reference, ours, why = modernbert_pair(length, args.radius, folder)
+    if ours is None:
+        print(f"(b) ModernBERT-patterned at {length} tokens: not run, no ModernBERT conversion here ({why})")
+        return
+    layers = MODERN["num_hidden_layers"]
+    sliding = sum(t == "sliding_attention" for t in ours.config.layer_types)
+    # FLOPs of one layer per token: projections 8 H^2 + MLP 6 H I (GLU), attention 4 H x keys seen
+    hidden, inner = MODERN["hidden_size"], MODERN["intermediate_size"]
+    dense_layer = 8 * hidden**2 + 6 * hidden * inner + 4 * hidden * length
+    window_layer = 8 * hidden**2 + 6 * hidden * inner + 4 * hidden * min(2 * args.radius + 1, length)
+    ideal = layers * dense_layer / ((layers - sliding) * dense_layer + sliding * window_layer)
+    ids = torch.randint(1, 30000, (1, length), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = reference(input_ids=ids).last_hidden_state
+        actual = ours(input_ids=ids).last_hidden_state
+        seconds, _ = common.interleave(
+            {"reference": lambda: reference(input_ids=ids), "ours": lambda: ours(input_ids=ids)},
+            iterations,
+            args.device,
+            64,
+        )
+    speedup = seconds["reference"] / seconds["ours"]
+    print(f"(b) ModernBERT-patterned, {layers} layers ({sliding} sliding, radius {args.radius}), batch 1")
+    print(f"max |ours - ModernBertModel| = {(actual - expected).abs().max().item():.2e}")
+    common.print_table(
+        [
+            [
+                "modernbert-patterned",
+                length,
+                f"{seconds['reference'] * 1000:.0f}",
+                f"{seconds['ours'] * 1000:.0f}",
+                f"{speedup:.2f}",
+                f"{ideal:.2f}",
+                f"{speedup / ideal:.0%}",
+            ]
+        ],
+        ["model", "tokens", "ms ModernBertModel (SDPA)", "ms ours", "speed-up", "FLOP-ideal", "of ideal"],
+    )
+
+
+def block_table(args, iterations):
+    """banded_attention alone at 4096 tokens, 4 heads of 64, for several radii and block sizes."""
+    rows = []
+    module = type("Module", (), {"training": False})()
+    q, k, v = torch.randn(3, 1, 4, 4096, 64).unbind(0)
+    for radius in (16, 64, 128):
+        variants = {}
+        for block in (16, 32, 64, 128, 256, 512):
+
+            def call(block=block):
+                modeling_encoderstack.band_block = lambda radius: block
+                modeling_encoderstack.banded_attention(module, q, k, v, None, 0.125, sliding_window=radius + 1)
+
+            variants[block] = call
+        original = modeling_encoderstack.band_block
+        with torch.inference_mode():
+            seconds, _ = common.interleave(variants, iterations, args.device, 64)
+        modeling_encoderstack.band_block = original
+        best = min(seconds, key=seconds.get)
+        rows.append(["banded", radius, *(f"{seconds[b] * 1000:.1f}" for b in variants), best, original(radius)])
+    common.print_table(
+        rows, ["model", "radius", *(f"ms block {b}" for b in (16, 32, 64, 128, 256, 512)), "fastest", "chosen"]
+    )
+
+
+def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--measure-memory":
+        return measure_memory(sys.argv[2])
+    parser = common.common_arguments(
+        __doc__.splitlines()[0], sizes="1x512,1x1024,1x2048,1x4096,1x8192,1x16384", models="stack"
+    )
+    parser.add_argument("--radius", type=int, default=64, help="the sliding window's radius (default 64)")
+    parser.add_argument("--modern-length", type=int, default=8192, help="tokens of (b) (default 8192)")
+    parser.add_argument("--blocks", action="store_true", help="measure banded attention's block size only")
+    args = parser.parse_args()
+    iterations = args.iterations or (1 if args.quick else 3)
+    common.setup(args)
+    common.header("sliding window", args.device)
+    if args.blocks:
+        block_table(args, iterations)
+    else:
+        spec = "stack" if args.models == "stack" else json.loads(args.models)
+        sizes = common.parse_sizes(args.sizes)
+        lengths = [length for _, length in sizes][: 2 if args.quick else None]
+        memory_table(args, spec, [min(n, 256) for n in lengths] if args.quick else lengths, iterations)
+        modernbert_table(args, 512 if args.quick else args.modern_length, iterations)
+    print(f"reproduce: {common.command_line()}")
+
+
+if __name__ == "__main__":
+    main()
