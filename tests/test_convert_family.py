@@ -77,13 +77,21 @@ def converted(tmp_path_factory):
         if (family, suffix) not in cache:
             root = tmp_path_factory.mktemp(f"{family}-{suffix}")
             source = family_folder(root / "source", family, suffix)
-            folder = encoderstack.convert(source, root / "out", verify=False)
-            reference = getattr(transformers, FAMILIES[family] + suffix).from_pretrained(source).eval()
-            class_name = json.loads((folder / "config.json").read_text())["architectures"][0]
-            cache[family, suffix] = reference, getattr(encoderstack, class_name).from_pretrained(folder).eval()
+            cache[family, suffix] = converted_pair(
+                source, root / "out", getattr(transformers, FAMILIES[family] + suffix)
+            )
         return cache[family, suffix]
 
     return get
+
+
+def converted_pair(source, output, reference_class):
+    """The source loaded by its own class, and converted (without verification) and loaded by ours, in eval mode."""
+    folder = encoderstack.convert(source, output, verify=False)
+    class_name = json.loads((folder / "config.json").read_text())["architectures"][0]
+    return reference_class.from_pretrained(source).eval(), getattr(encoderstack, class_name).from_pretrained(
+        folder
+    ).eval()
 
 
 def right_padded_batch(suffix):

@@ -9,7 +9,14 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from test_convert_family import PAD, assert_parity, bert_positions_of_left_padding, right_padded_batch, save_random
+from test_convert_family import (
+    PAD,
+    assert_parity,
+    bert_positions_of_left_padding,
+    converted_pair,
+    right_padded_batch,
+    save_random,
+)
 
 import encoderstack
 
@@ -56,10 +63,8 @@ def converted(tmp_path_factory):
         if (family, suffix) not in cache:
             root = tmp_path_factory.mktemp(f"{family}-{suffix}")
             source = rope_folder(root / "source", family, suffix)
-            folder = encoderstack.convert(source, root / "out", verify=False)
-            reference = getattr(transformers, FAMILIES[family][0] + suffix).from_pretrained(source).eval()
-            class_name = json.loads((folder / "config.json").read_text())["architectures"][0]
-            cache[family, suffix] = reference, getattr(encoderstack, class_name).from_pretrained(folder).eval(), folder
+            reference_class = getattr(transformers, FAMILIES[family][0] + suffix)
+            cache[family, suffix] = (*converted_pair(source, root / "out", reference_class), root / "out")
         return cache[family, suffix]
 
     return get
