@@ -28,6 +28,7 @@ RUNS = {
     "inference.py": [*ONE_ROUND, "--sizes", "2x16", "--peak-size", "64"],
     "training.py": [*ONE_ROUND, "--sizes", "2x16", "--peak-size", "64"],
     "convert.py": [*ONE_ROUND, "--clock", "cpu"],
+    "load.py": [*ONE_ROUND, "--clock", "cpu"],
     "attention.py": [*ONE_ROUND, "--sizes", "2x16"],
     "flex.py": [*ONE_ROUND, "--sizes", "2x16"],
     "deployment.py": [*ONE_ROUND, "--sizes", "2x16"],

@@ -77,13 +77,21 @@ def converted(tmp_path_factory):
         if (family, suffix) not in cache:
             root = tmp_path_factory.mktemp(f"{family}-{suffix}")
             source = family_folder(root / "source", family, suffix)
-            folder = encoderstack.convert(source, root / "out", verify=False)
-            reference = getattr(transformers, FAMILIES[family] + suffix).from_pretrained(source).eval()
-            class_name = json.loads((folder / "config.json").read_text())["architectures"][0]
-            cache[family, suffix] = reference, getattr(encoderstack, class_name).from_pretrained(folder).eval()
+            cache[family, suffix] = converted_pair(
+                source, root / "out", getattr(transformers, FAMILIES[family] + suffix)
+            )
         return cache[family, suffix]
 
     return get
+
+
+def converted_pair(source, output, reference_class):
+    """The source loaded by its own class, and converted (without verification) and loaded by ours, in eval mode."""
+    folder = encoderstack.convert(source, output, verify=False)
+    class_name = json.loads((folder / "config.json").read_text())["architectures"][0]
+    return reference_class.from_pretrained(source).eval(), getattr(encoderstack, class_name).from_pretrained(
+        folder
+    ).eval()
 
 
 def right_padded_batch(suffix):
@@ -165,13 +173,14 @@ def test_every_family_head_backend_and_padding_side_converts_with_parity(convert
     assert_parity(*converted(family, suffix), suffix, backend, side, reference_inputs)
 
 
-def assert_parity(reference, ours, suffix, backend, side, reference_inputs=None):
-    """The reference on the right-padded batch (`reference_inputs` shapes its inputs); ours on `side`, once recording
-    hidden states and attentions (the padded path) and once without (padding-free), with labels: every output, every
-    hidden state and attention map on real tokens, and the loss, within 1e-5."""
+def assert_parity(reference, ours, suffix, backend, side, reference_inputs=None, batch=None, ours_only=()):
+    """The reference on the right-padded batch (`reference_inputs` shapes its inputs; `batch` builds it, default
+    `right_padded_batch`); ours on `side`, once recording hidden states and attentions (the padded path) and once
+    without (padding-free), with labels: every output (ours has `ours_only` besides), every hidden state and attention
+    map on real tokens, and the loss, within 1e-5."""
     reference.set_attn_implementation(backend)
     ours.set_attn_implementation(backend)
-    inputs, labels = right_padded_batch(suffix)
+    inputs, labels = (batch or right_padded_batch)(suffix)
     mask = inputs["attention_mask"].bool()
     mine, my_labels = (inputs, labels) if side == "right" else to_left(inputs, labels)
     my_mask = mine["attention_mask"].bool()
@@ -184,7 +193,7 @@ def assert_parity(reference, ours, suffix, backend, side, reference_inputs=None)
     want = main_outputs(expected, mask)
     for actual in (recorded, free):
         got = main_outputs(actual, my_mask)
-        assert got.keys() == want.keys()
+        assert got.keys() == want.keys() | set(ours_only)
         for name in want:
             torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)
     for a, e in zip(recorded.hidden_states, expected.hidden_states, strict=True):

@@ -11,7 +11,6 @@ import math
 import os
 import re
 import struct
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -583,24 +582,3 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
         (partial / "export.json").write_text(json.dumps(record, indent=2) + "\n")
     tensors.close()
     return output.path
-
-
-def load_converted(model_class, name_or_path, *args, **kwargs):
-    """`EncoderStackFor*.from_pretrained` on a BERT-family checkpoint: convert into a temporary folder, load there.
-    Returns None for an EncoderStack folder (or a Hub id, or no path), which then loads the ordinary way; a folder of
-    a family EncoderStack cannot express (ALBERT, DeBERTa, ...) is refused as `convert` refuses it: transformers would
-    load it as a mostly random model."""
-    if not isinstance(name_or_path, (str, os.PathLike)):  # None with a config and a state_dict: nothing to convert
-        return None
-    try:
-        folder = Path(name_or_path) if Path(name_or_path).exists() else None
-        config = read_config(folder) if folder is not None and folder.is_dir() else None
-    except ConversionError:
-        return None
-    if config is None or config.get("model_type", EncoderStackConfig.model_type) == EncoderStackConfig.model_type:
-        return None
-    bert_family(config, folder / "config.json")
-    task = task_for_encoderstack_class(model_class.__name__)
-    with tempfile.TemporaryDirectory(prefix="encoderstack-") as scratch:
-        convert(folder, Path(scratch) / "model", task=task.name, verify=False)
-        return model_class.from_pretrained(Path(scratch) / "model", *args, **kwargs)

@@ -351,6 +351,120 @@ FAMILIES |= {
 }
 
 
+def rotary_fields(config: dict, family: str, default_theta: float) -> dict:
+    """Post-LN with rotary positions counted along the row from 0 (as their classes count them, whatever the padding):
+    the checkpoint's `rope_parameters` as they are (its base, and any scaling through transformers' own functions)."""
+    if config.get("head_dim") not in (
+        None,
+        config.get("hidden_size", 0) // max(config.get("num_attention_heads") or 1, 1),
+    ):
+        raise ConversionError(
+            f"{family}'s head_dim {config['head_dim']} other than hidden_size / heads is not supported"
+        )
+    rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": default_theta}
+    return {"position_embedding_type": "rope", "rope_parameters": dict(rope)}
+
+
+def gte_fields(config: dict) -> dict:
+    """GTE: a gated MLP whose up and gate projections have no bias and whose down projection has one; its masked-LM
+    head applies gelu whatever `hidden_act`, ours the MLP's activation, so only gelu converts (every GTE release)."""
+    if config.get("hidden_act", "gelu") != "gelu":
+        raise ConversionError(f"GTE's hidden_act {config['hidden_act']!r} is not supported (gelu)")
+    return {**rotary_fields(config, "GTE", 160_000.0), "hidden_act": "geglu", "mlp_bias": "down"}
+
+
+def nomic_bert_fields(config: dict) -> dict:
+    """NomicBERT: SwiGLU, no bias in attention or the MLP."""
+    fields = {
+        "hidden_act": gated(config.get("hidden_act", "silu"), "NomicBERT"),
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+    return {**rotary_fields(config, "NomicBERT", 1000.0), **fields}
+
+
+def fused_qkv() -> tuple:
+    """A fused [Q; K; V] projection (each all heads) as the three pieces of ours."""
+    return tuple(
+        Piece(f"layers.{{i}}.attention.{name}.{{p}}", parts(index, of=3))
+        for index, name in enumerate(("query", "key", "value"))
+    )
+
+
+# The layers under the names their checkpoints keep on disk (transformers' conversion_mapping.py renames them when it
+# loads them, and `save_pretrained` writes them back): a fused QKV projection, `norm1` / `norm2` after each sublayer.
+FLASH_LAYER_KEYS = (
+    ("emb_ln.{p}", "embeddings.norm.{p}"),
+    ("encoder.layers.{i}.norm1.{p}", "layers.{i}.attention_residual.norm_out.{p}"),
+    ("encoder.layers.{i}.norm2.{p}", "layers.{i}.mlp_residual.norm_out.{p}"),
+)
+ROTARY_TASKS = ("base", "masked-lm", "sequence-classification", "token-classification")
+
+FAMILIES |= {
+    "gte": Family(
+        "Gte",
+        "gte.",
+        gte_fields,
+        (
+            ("encoder.layer.{i}.attention.qkv_proj.{p}", fused_qkv()),
+            ("encoder.layer.{i}.attention.o_proj.{p}", "layers.{i}.attention.output.{p}"),
+            ("encoder.layer.{i}.attn_ln.{p}", "layers.{i}.attention_residual.norm_out.{p}"),
+            # [up; gate], ours [gate; up]: act(gate) * up
+            ("encoder.layer.{i}.mlp.up_gate_proj.weight", Piece("layers.{i}.mlp.up.weight", parts(1, 0, of=2))),
+            ("encoder.layer.{i}.mlp.down_proj.{p}", "layers.{i}.mlp.down.{p}"),
+            ("encoder.layer.{i}.mlp_ln.{p}", "layers.{i}.mlp_residual.norm_out.{p}"),
+        ),
+        {
+            "masked-lm": (
+                ("lm_head.dense.{p}", "lm_head.dense.{p}"),
+                ("lm_head.norm.{p}", "lm_head.norm.{p}"),
+                ("lm_head.decoder.{p}", "lm_head.decoder.{p}"),
+            )
+        },
+        ROTARY_TASKS,
+    ),
+    "nomic_bert": Family(
+        "NomicBert",
+        "nomic_bert.",
+        nomic_bert_fields,
+        (
+            *FLASH_LAYER_KEYS,
+            ("encoder.layers.{i}.attn.Wqkv.{p}", fused_qkv()),
+            ("encoder.layers.{i}.attn.out_proj.{p}", "layers.{i}.attention.output.{p}"),
+            # act(fc12 x) * fc11 x: ours [gate; up] is [fc12; fc11]
+            ("encoder.layers.{i}.mlp.fc12.{p}", Piece("layers.{i}.mlp.up.{p}", block=0, of=2)),
+            ("encoder.layers.{i}.mlp.fc11.{p}", Piece("layers.{i}.mlp.up.{p}", block=1, of=2)),
+            ("encoder.layers.{i}.mlp.fc2.{p}", "layers.{i}.mlp.down.{p}"),
+        ),
+        {
+            "masked-lm": (
+                ("cls.predictions.transform.dense.{p}", "lm_head.dense.{p}"),
+                ("cls.predictions.transform.layer_norm.{p}", "lm_head.norm.{p}"),
+                ("cls.predictions.bias", "lm_head.decoder.bias"),
+                ("cls.predictions.decoder.weight", "lm_head.decoder.weight"),
+            )
+        },
+        ROTARY_TASKS,
+    ),
+    # XLM-R with rotary positions (base 20 000); RoBERTa's heads
+    "jina_embeddings_v3": Family(
+        "JinaEmbeddingsV3",
+        "roberta.",
+        lambda config: {**rotary_fields(config, "jina-embeddings-v3", 20_000.0), "head_layout": "roberta"},
+        (
+            *FLASH_LAYER_KEYS,
+            ("encoder.layers.{i}.mixer.Wqkv.{p}", fused_qkv()),
+            ("encoder.layers.{i}.mixer.out_proj.{p}", "layers.{i}.attention.output.{p}"),
+            ("encoder.layers.{i}.mlp.fc1.{p}", "layers.{i}.mlp.up.{p}"),
+            ("encoder.layers.{i}.mlp.fc2.{p}", "layers.{i}.mlp.down.{p}"),
+        ),
+        ROBERTA_HEAD_KEYS,
+        (*ROTARY_TASKS, "question-answering"),
+        ROBERTA_SKIPPED,
+    ),
+}
+
+
 def gated(activation: str, family: str) -> str:
     """A family's gated MLP activation as EncoderStack's `hidden_act` (the first half of the up projection gated)."""
     gates = {"gelu": "geglu", "silu": "swiglu"}
@@ -642,7 +756,6 @@ REFUSED_FAMILIES = {
     "funnel": "Funnel-Transformer pools the sequence between blocks",
     "longformer": "Longformer's sliding-window and global attention need their own attention masks",
     "big_bird": "BigBird's block-sparse attention is not BERT's dense attention",
-    "nomic_bert": "NomicBERT's rotary positions and SwiGLU layers are not converted yet",
 }
 
 # Fields that mean the same in BertConfig and EncoderStackConfig.
