@@ -16,6 +16,9 @@ CONFIGS = {  # model_type -> the family's own fields (a radius-4 window where th
     "modernbert": {"local_attention": 8, "global_attn_every_n_layers": 2},
     "eurobert": {"num_key_value_heads": 2, "classifier_pooling": "mean"},
     "ultrabert": {"num_key_value_heads": 2, "sliding_window": 4, "prediction_head_size": 24},
+    "gte": {"rope_parameters": ROPE},
+    "nomic_bert": {"rope_parameters": ROPE},
+    "jina_embeddings_v3": {"rope_parameters": ROPE},
 }
 
 
