@@ -108,6 +108,19 @@ def test_every_modern_family_head_backend_and_padding_side_converts_with_parity(
     assert_parity(*converted(family, variant, suffix), suffix, backend, side)
 
 
+NARROW = 3  # a sliding radius well inside the 10-token test sequences
+WINDOWED = [(family, suffix) for family in ("modernbert", "ultrabert") for suffix in FAMILIES[family][1]]
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize(("family", "suffix"), WINDOWED)
+def test_sliding_layers_narrower_than_the_sequence_convert_with_parity(converted, family, suffix, backend, side):
+    """ModernBERT's `local_attention` (the window's width, 2 * radius) and UltraBERT's `sliding_window` (the radius)
+    reach the same |i - j| <= radius on every path."""
+    assert_parity(*converted(family, "default", suffix, NARROW), suffix, backend, side)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_flattened_rows_give_each_sequence_what_the_familys_class_gives_it_alone(converted, family):
     reference, ours = converted(family, "default" if family != "eurobert" else "late", "ForTokenClassification")
