@@ -108,6 +108,19 @@ def test_every_modern_family_head_backend_and_padding_side_converts_with_parity(
     assert_parity(*converted(family, variant, suffix), suffix, backend, side)
 
 
+NARROW = 3  # a sliding radius well inside the 10-token test sequences
+WINDOWED = [(family, suffix) for family in ("modernbert", "ultrabert") for suffix in FAMILIES[family][1]]
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize(("family", "suffix"), WINDOWED)
+def test_sliding_layers_narrower_than_the_sequence_convert_with_parity(converted, family, suffix, backend, side):
+    """ModernBERT's `local_attention` (the window's width, 2 * radius) and UltraBERT's `sliding_window` (the radius)
+    reach the same |i - j| <= radius on every path."""
+    assert_parity(*converted(family, "default", suffix, NARROW), suffix, backend, side)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_flattened_rows_give_each_sequence_what_the_familys_class_gives_it_alone(converted, family):
     reference, ours = converted(family, "default" if family != "eurobert" else "late", "ForTokenClassification")
@@ -310,3 +323,16 @@ def test_the_key_maps_row_selections_split_fused_projections_as_their_families_l
     # 2 heads of 4 features, each head [q; k; v]: the key rows of head 1 start at (1 * 3 + 1) * 4
     assert head_part(1, of=3)(config, 24) == [4, 5, 6, 7, 16, 17, 18, 19]
     assert head_part(0, of=3, rotary_pairs=True)(config, 24) == [0, 2, 1, 3, 12, 14, 13, 15]
+
+
+def test_a_gated_projection_with_one_of_its_two_sources_missing_is_refused_by_name(tmp_path):
+    from safetensors.torch import save_file
+
+    source = family_folder(tmp_path / "eurobert", "eurobert", "Model", "late")
+    tensors = load_file(source / "model.safetensors")
+    del tensors["layers.1.mlp.up_proj.weight"]
+    save_file(tensors, source / "model.safetensors")
+    message = r"'layers.1.mlp.up.weight' takes 2 source tensors, but the source has only 'layers.1.mlp.gate_proj"
+    with pytest.raises(encoderstack.ConversionError, match=message):
+        encoderstack.convert(source, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -274,7 +274,7 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
     other_heads = {pair: other.name for other in TASKS.values() if other != task for pair in family.head_keys_of(other)}
     source_names = {key: (family.local_name(name), transpose) for key, (name, transpose) in source.bert_names.items()}
     names = {name for name, _ in source_names.values()}
-    blocks, skipped = {}, dict(source.skipped)  # blocks: target -> {block index: SourceRows}
+    blocks, skipped = {}, dict(source.skipped)  # blocks: target -> (block count, {block index: SourceRows})
     for key, (name, transpose) in sorted(source_names.items()):
         target = translate(name, family.encoder_keys)
         pieces = (
@@ -315,14 +315,13 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
                             f"{source.folder}: tensor {key!r} has {count} rows, too few for {piece.target!r} "
                             "with this config"
                         )
-                filled = blocks.setdefault(piece.target, {})
+                filled = blocks.setdefault(piece.target, (piece.of, {}))[1]
                 if piece.block in filled:
                     raise ConversionError(
                         f"{source.folder}: tensors {filled[piece.block].key!r} and {key!r} both map to {piece.target!r}"
                     )
                 filled[piece.block] = SourceRows(key, transpose, rows)
-                filled["of"] = piece.of
-    mapped = {target: assemble(source, target, filled, expected[target]) for target, filled in blocks.items()}
+    mapped = {target: assemble(source, target, *filled, expected[target]) for target, filled in blocks.items()}
 
     # A source may lack the pooler (BERT's add_pooling_layer=False); a task chosen explicitly may lack its head.
     # Those start from the usual initialization and are listed; any other missing tensor is an error.
@@ -360,12 +359,13 @@ def check_source_tensor(source: Source, key: str) -> None:
         )
 
 
-def assemble(source: Source, target: str, filled: dict, expected: tuple) -> tuple[SourceRows, ...]:
+def assemble(source: Source, target: str, of: int, filled: dict, expected: tuple) -> tuple[SourceRows, ...]:
     """A target's row blocks in order, checked: every block given, one dtype, and the shape the config needs."""
-    of = filled.pop("of")
     if sorted(filled) != list(range(of)):
         keys = ", ".join(repr(piece.key) for piece in filled.values())
-        raise ConversionError(f"{source.folder}: {target!r} takes {of} source tensors, but only {keys} map to it")
+        raise ConversionError(
+            f"{source.folder}: {target!r} takes {of} source tensors, but the source has only {keys} for it"
+        )
     pieces = tuple(filled[block] for block in range(of))
     shapes = [piece.shape(source.tensors) for piece in pieces]
     shape = (sum(shape[0] for shape in shapes), *shapes[0][1:])
