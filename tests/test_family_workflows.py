@@ -143,16 +143,20 @@ def test_fine_tuning_a_converted_family_model_trains_saves_reloads_and_its_card_
     assert f"- {family}\n" in card
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_sentence_transformers_gives_a_converted_family_model_the_originals_embeddings(family, tmp_path):
+def assert_same_sentence_embeddings(source, tmp_path, sentences=SENTENCES):
+    """sentence-transformers on the converted folder gives the source folder's embeddings, within 1e-5."""
     sentence_transformers = pytest.importorskip("sentence_transformers")
-    source = tokenized_folder(tmp_path / "source", family)
     folder = encoderstack.convert(source, tmp_path / "converted")
     original = sentence_transformers.SentenceTransformer(str(source), device="cpu")
     ours = sentence_transformers.SentenceTransformer(str(folder), device="cpu")
     assert type(ours[0].auto_model).__name__ == "EncoderStackModel"
-    expected = original.encode(SENTENCES, convert_to_tensor=True)
-    torch.testing.assert_close(ours.encode(SENTENCES, convert_to_tensor=True), expected, atol=1e-5, rtol=0)
+    expected = original.encode(sentences, convert_to_tensor=True)
+    torch.testing.assert_close(ours.encode(sentences, convert_to_tensor=True), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sentence_transformers_gives_a_converted_family_model_the_originals_embeddings(family, tmp_path):
+    assert_same_sentence_embeddings(tokenized_folder(tmp_path / "source", family), tmp_path)
 
 
 @pytest.mark.parametrize("family", ["roberta", "electra", "distilbert"])

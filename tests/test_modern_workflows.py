@@ -5,7 +5,7 @@ window). Tiny random models of the families' own classes with a WordPiece tokeni
 import pytest
 import torch
 import transformers
-from test_family_workflows import SENTENCES, wordpiece
+from test_family_workflows import SENTENCES, assert_same_sentence_embeddings, wordpiece
 
 import encoderstack
 from encoderstack.exporters import load_exported
@@ -42,14 +42,7 @@ def modern_folder(folder, family):
 
 @pytest.mark.parametrize("family", CONFIGS)
 def test_sentence_transformers_gives_a_converted_modern_encoder_the_originals_embeddings(family, tmp_path):
-    sentence_transformers = pytest.importorskip("sentence_transformers")
-    source = modern_folder(tmp_path / "source", family)
-    folder = encoderstack.convert(source, tmp_path / "converted")
-    original = sentence_transformers.SentenceTransformer(str(source), device="cpu")
-    ours = sentence_transformers.SentenceTransformer(str(folder), device="cpu")
-    assert type(ours[0].auto_model).__name__ == "EncoderStackModel"
-    expected = original.encode(LONG_SENTENCES, convert_to_tensor=True)
-    torch.testing.assert_close(ours.encode(LONG_SENTENCES, convert_to_tensor=True), expected, atol=1e-5, rtol=0)
+    assert_same_sentence_embeddings(modern_folder(tmp_path / "source", family), tmp_path, LONG_SENTENCES)
 
 
 def test_the_onnx_export_of_a_converted_modernbert_keeps_its_sliding_windows(tmp_path):
