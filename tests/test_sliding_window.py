@@ -431,3 +431,19 @@ def test_an_exported_sliding_window_model_keeps_parity_with_pytorch_on_inputs_lo
         unwindowed = full(**inputs).last_hidden_state
     real = inputs["attention_mask"].bool()
     assert (unwindowed[real] - torch.as_tensor(exported)[real]).abs().max() > 1e-3
+
+
+def test_sliding_layers_add_no_host_sync_to_a_padded_masked_lm_training_step():
+    from test_execution_plan import HostSyncs
+
+    from encoderstack import EncoderStackForMaskedLM
+
+    inputs, _ = ROUTES["right-padded, padding-free"](route_sequences("right-padded, padding-free"))
+    labels = torch.where(torch.rand(inputs["input_ids"].shape) < 0.3, inputs["input_ids"], -100)
+    counts = []
+    for layer_types, window in ((None, None), (SLIDING, 4)):
+        model = build(EncoderStackForMaskedLM, layer_types=layer_types, sliding_window=window).train()
+        with HostSyncs() as syncs:
+            model(**inputs, labels=labels).loss.backward()
+        counts.append(syncs.count)
+    assert counts[0] == counts[1] == 4

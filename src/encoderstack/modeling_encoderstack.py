@@ -230,9 +230,9 @@ class PackedSequences:
         return self.packed_sequence_ids().view(self.shape)
 
     def packed_sequence_ids(self) -> torch.Tensor:
-        """(1, tokens): which sequence each token of the packed row belongs to."""
+        """(1, tokens): which sequence each token of the packed row belongs to (sized by `lengths`: no host sync)."""
         sequences = torch.arange(len(self.lengths), device=self.lengths_tensor.device)
-        return sequences.repeat_interleave(self.lengths_tensor)[None]
+        return sequences.repeat_interleave(self.lengths_tensor, output_size=sum(self.lengths))[None]
 
     def position_ids(self) -> torch.Tensor:
         """(batch, seq) of flattened rows: each token's position within its own sequence."""
