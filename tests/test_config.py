@@ -74,7 +74,7 @@ def test_a_config_survives_a_save_and_load(tmp_path):
         (
             {"norm_placement": "middle"},
             "Field 'norm_placement' expected one of ('post', 'pre', 'sandwich', 'deepnorm', 'resi_dual', 'peri', "
-            "'mix', 'lns', 'hybrid', 'hybrid_star', 'admin', 'deepscale'), got middle",
+            "'mix', 'lns', 'hybrid', 'hybrid_star', 'admin', 'deepscale', 'pre_skip_first'), got middle",
         ),
         (
             {"norm_type": "batchnorm"},
@@ -95,6 +95,11 @@ def test_a_config_survives_a_save_and_load(tmp_path):
         ({"classifier_dropout": 1.5}, "`classifier_dropout` must lie in [0, 1), got 1.5"),
         ({"position_embedding_type": "rope", "hidden_size": 36, "num_attention_heads": 4}, "even head size, got 9"),
         ({"resi_dual_scale": 0}, "`resi_dual_scale` must be a positive finite number, got 0"),
+        ({"num_key_value_heads": 5}, "`num_key_value_heads` (5) must be a positive divisor of `num_attention_heads`"),
+        ({"mlp_bias": "up"}, "Field 'mlp_bias' with value 'up' doesn't match any type"),
+        ({"rope_parameters": {"rope_type": "spiral"}}, "unknown rope_type 'spiral'"),
+        ({"rope_parameters": {"full_attention": {}, "global": {}}}, "names ['global'], which are not layer types"),
+        ({"prediction_head_size": 0}, "`prediction_head_size` must be a positive integer or None, got 0"),
     ],
 )
 def test_an_impossible_config_is_rejected_with_a_clear_message(fields, message):

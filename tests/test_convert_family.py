@@ -3,6 +3,7 @@ family's own transformers class, built tiny and random (no download): RoBERTa, X
 ELECTRA (narrower embeddings, its discriminator and generator) and DistilBERT."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -52,10 +53,16 @@ def family_folder(folder, family, suffix, seed=0):
         pad_token_id=PAD,
         num_labels=2 if suffix == "ForQuestionAnswering" else 3,
     )
+    return save_random(getattr(transformers, FAMILIES[family] + suffix), config, folder, seed)
+
+
+def save_random(model_class, config, folder, seed=0):
+    """A model of `model_class`, its weights moved away from the init so that no weight is trivially 0 or 1, saved as
+    a checkpoint folder."""
     torch.manual_seed(seed)
-    model = getattr(transformers, FAMILIES[family] + suffix)(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():
-        for param in model.parameters():  # away from the init so that no weight is trivially 0 or 1
+        for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
     model.save_pretrained(folder)
     return folder
@@ -148,21 +155,30 @@ def bert_positions_of_left_padding(inputs):
 @pytest.mark.parametrize(("family", "suffix"), MATRIX)
 def test_every_family_head_backend_and_padding_side_converts_with_parity(converted, family, suffix, backend, side):
     """The reference runs right-padded (under left padding it would pool a padding token), where BERT-style positions
-    are given the values they have in the left-padded rows; ours runs on `side`, once recording hidden states and
-    attentions (the padded path) and once without (padding-free), with labels."""
-    reference, ours = converted(family, suffix)
+    are given the values they have in the left-padded rows."""
+
+    def reference_inputs(inputs):
+        if side == "left" and family not in OFFSET_FAMILIES:
+            inputs = {**inputs, "position_ids": bert_positions_of_left_padding(inputs)}
+        return reference_choices(family, suffix, inputs)
+
+    assert_parity(*converted(family, suffix), suffix, backend, side, reference_inputs)
+
+
+def assert_parity(reference, ours, suffix, backend, side, reference_inputs=None):
+    """The reference on the right-padded batch (`reference_inputs` shapes its inputs); ours on `side`, once recording
+    hidden states and attentions (the padded path) and once without (padding-free), with labels: every output, every
+    hidden state and attention map on real tokens, and the loss, within 1e-5."""
     reference.set_attn_implementation(backend)
     ours.set_attn_implementation(backend)
     inputs, labels = right_padded_batch(suffix)
     mask = inputs["attention_mask"].bool()
     mine, my_labels = (inputs, labels) if side == "right" else to_left(inputs, labels)
     my_mask = mine["attention_mask"].bool()
-    if side == "left" and family not in OFFSET_FAMILIES:
-        inputs = {**inputs, "position_ids": bert_positions_of_left_padding(inputs)}
     eager = backend == "eager"
     with torch.no_grad():
         record = {"output_hidden_states": True, "output_attentions": eager}
-        expected = reference(**reference_choices(family, suffix, inputs), **labels, **record)
+        expected = reference(**(reference_inputs or partial(as_choices, suffix))(inputs), **labels, **record)
         recorded = ours(**as_choices(suffix, mine), **my_labels, **record)
         free = ours(**as_choices(suffix, mine), **my_labels)
     want = main_outputs(expected, mask)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import transformers
-from test_convert_family import PAD, byte_level_bpe, family_folder
+from test_convert_family import FAMILIES, OFFSET_FAMILIES, PAD, byte_level_bpe, family_folder
 from test_finetune import packed_and_padded_runs
 
 import encoderstack
@@ -20,23 +20,11 @@ from encoderstack.training import flattening_collator
 SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Normalization decides how gradients flow.", "The dog."]
 
 
-def roberta_folder(folder, suffix="ForMaskedLM"):
-    """A tiny RoBERTa of transformers' own class with RoBERTa's byte-level BPE tokenizer beside it."""
-    config = transformers.RobertaConfig(
-        vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-        max_position_embeddings=66, type_vocab_size=1, pad_token_id=PAD, num_labels=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    getattr(transformers, "Roberta" + suffix)(config).save_pretrained(folder)
-    byte_level_bpe(folder)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def roberta(tmp_path_factory):
     """A converted RoBERTa masked LM (positions from pad + 1 = 2, 64 of them) and its source."""
     root = tmp_path_factory.mktemp("roberta")
-    source = roberta_folder(root / "source")
+    source = tokenized_folder(root / "source", "roberta", "ForMaskedLM")
     return source, encoderstack.convert(source, root / "converted")
 
 
@@ -104,8 +92,8 @@ def test_packed_token_classification_on_a_converted_roberta_ends_where_the_padde
     assert runs[True]["after"]["loss"] < runs[True]["before"]["loss"]
 
 
-def distilbert_folder(folder):
-    """A tiny DistilBERT with a small WordPiece tokenizer as DistilBERT's: no token types."""
+def wordpiece(folder):
+    """A small WordPiece tokenizer as ELECTRA's and DistilBERT's, saved; DistilBERT's returns no token types."""
     from tokenizers import BertWordPieceTokenizer
 
     wordpiece = BertWordPieceTokenizer(lowercase=True)
@@ -115,26 +103,34 @@ def distilbert_folder(folder):
     tokenizer = transformers.BertTokenizerFast(
         tokenizer_object=wordpiece._tokenizer, model_input_names=["input_ids", "attention_mask"]
     )
-    config = transformers.DistilBertConfig(
-        vocab_size=len(tokenizer), dim=32, n_layers=2, n_heads=4, hidden_dim=37, max_position_embeddings=64
-    )
-    torch.manual_seed(0)
-    transformers.DistilBertModel(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def tokenized_folder(folder, family, suffix="Model"):
+    """A tiny model of the family's own class with a tokenizer as the family's beside it: byte-level BPE for
+    RoBERTa's kin (pad id 1), WordPiece for ELECTRA and DistilBERT (pad id 0)."""
+    tokenizer = byte_level_bpe(folder) if family in OFFSET_FAMILIES else wordpiece(folder)
+    config = transformers.AutoConfig.for_model(
+        family, vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, hidden_dim=37, embedding_size=16, max_position_embeddings=66, type_vocab_size=1,
+        pad_token_id=tokenizer.pad_token_id, num_labels=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    getattr(transformers, FAMILIES[family] + suffix)(config).save_pretrained(folder)
     return folder
 
 
-@pytest.mark.parametrize("family", ["roberta", "distilbert"])
+@pytest.mark.parametrize("family", ["roberta", "electra", "distilbert"])
 def test_fine_tuning_a_converted_family_model_trains_saves_reloads_and_its_card_names_the_family(family, tmp_path):
-    source = tmp_path / "source"
-    source = roberta_folder(source, "Model") if family == "roberta" else distilbert_folder(source)
+    source = tokenized_folder(tmp_path / "source", family)
     folder = encoderstack.convert(source, tmp_path / "converted")
     rows = [{"text": text, "label": "dog" if "dog" in text else "other"} for text in SENTENCES * 4]
     data = write(tmp_path / "data.jsonl", rows)
     record = finetune(folder, tmp_path / "out", train=data, eval=data, epochs=3, batch_size=4, lr=1e-2)
     assert record["after"]["loss"] < record["before"]["loss"]
     model = encoderstack.EncoderStackForSequenceClassification.from_pretrained(tmp_path / "out").eval()
-    assert model.config.head_layout == {"roberta": "roberta", "distilbert": "distilbert"}[family]
+    assert model.config.head_layout == family
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")  # the family's tokenizer travelled
     assert (
         tokenizer("The dog.")["input_ids"]
@@ -147,9 +143,10 @@ def test_fine_tuning_a_converted_family_model_trains_saves_reloads_and_its_card_
     assert f"- {family}\n" in card
 
 
-def test_sentence_transformers_gives_a_converted_roberta_the_originals_embeddings(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sentence_transformers_gives_a_converted_family_model_the_originals_embeddings(family, tmp_path):
     sentence_transformers = pytest.importorskip("sentence_transformers")
-    source = roberta_folder(tmp_path / "source", "Model")
+    source = tokenized_folder(tmp_path / "source", family)
     folder = encoderstack.convert(source, tmp_path / "converted")
     original = sentence_transformers.SentenceTransformer(str(source), device="cpu")
     ours = sentence_transformers.SentenceTransformer(str(folder), device="cpu")
@@ -170,10 +167,12 @@ def test_the_diagnostics_measure_a_converted_family_model_and_its_folder_passes_
     assert len(norms) == 2 and all(norm > 0 and norm == norm for norm in norms)
 
 
-def test_onnx_int8_export_of_a_converted_roberta_keeps_its_argmax(roberta, tmp_path):
+@pytest.mark.parametrize("family", ["roberta", "roberta-prelayernorm", "xlm-roberta-xl"])
+def test_onnx_int8_export_of_a_converted_post_or_pre_ln_roberta_keeps_its_argmax(family, roberta, tmp_path):
     from encoderstack.exporters import load_exported
 
-    _, folder = roberta
+    source = roberta[0] if family == "roberta" else tokenized_folder(tmp_path / "source", family, "ForMaskedLM")
+    folder = roberta[1] if family == "roberta" else encoderstack.convert(source, tmp_path / "converted")
     exported = encoderstack.export_onnx(folder, tmp_path / "onnx", quantize="int8")
     tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
     inputs = dict(tokenizer(SENTENCES, padding=True, return_tensors="pt"))

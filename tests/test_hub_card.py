@@ -216,3 +216,16 @@ def test_encoderstack_card_writes_the_card_from_the_command_line(converted, caps
     assert main(["card", str(converted)]) == 0
     assert capsys.readouterr().out == f"wrote {converted / 'README.md'}\n"
     assert ModelCard.load(converted / "README.md").data.pipeline_tag == "fill-mask"
+
+
+def test_the_card_gives_each_layer_types_rotary_base(tmp_path):
+    model = build(
+        encoderstack.EncoderStackModel,
+        position_embedding_type="rope",
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        sliding_window=4,
+        rope_parameters={"full_attention": {"rope_theta": 160000.0}, "sliding_attention": {"rope_theta": 10000.0}},
+    )
+    model.save_pretrained(tmp_path)
+    card = encoderstack.build_card(tmp_path).text
+    assert "rotary, full_attention: θ = 160000; sliding_attention: θ = 10000" in card

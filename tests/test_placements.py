@@ -141,11 +141,15 @@ def reference_stack(model, x, attention_mask):
                 block = "post" if l <= post_layers else "pre"
             if placement == "hybrid_star":  # HybridNorm*: the first block pre-norm (its attention keeps QKV-Norm)
                 block = "pre"
+            if placement == "pre_skip_first":  # ModernBERT: pre-LN, the first attention without an input norm
+                block = "bare" if (l, res) == (1, attention_res) else "pre"
             if block in ("post", "admin"):  # Admin: LN(omega * h + f(h)), omega 1 until profiled
                 omega = res.omega if block == "admin" else 1.0
                 h = ln(res.norm_out, omega * h + f(h))
             elif block == "pre":
                 h = h + f(ln(res.norm_in, h))
+            elif block == "bare":
+                h = h + f(h)
             elif block in ("sandwich", "peri"):
                 h = h + ln(res.norm_branch, f(ln(res.norm_in, h)))
             elif block == "deepnorm":
@@ -230,6 +234,7 @@ def test_each_placement_has_exactly_the_norms_its_equation_uses(placement):
         "hybrid_star": {"norm_in", "norm_out", "final", *qkv},
         "admin": {"norm_out"},
         "deepscale": {"norm_in", "final"},
+        "pre_skip_first": {"norm_in", "final"},
     }[placement]
     names = {name.split(".")[-2] for name, _ in model.named_parameters() if "norm" in name and "embeddings" not in name}
     names = {"final" if name == "norm" else name for name in names}

@@ -24,6 +24,7 @@ NormPlacement = Literal[
     "hybrid_star",
     "admin",
     "deepscale",
+    "pre_skip_first",
 ]
 NORM_PLACEMENTS = get_args(NormPlacement)
 # One line each, for the model card (the README gives the equations in full).
@@ -40,12 +41,14 @@ PLACEMENT_EQUATIONS = {
     "hybrid_star": "`hybrid`, with layer 1 `pre` (and its QKV norms); then a final `LN`",
     "admin": "`h = LN(ω ⊙ h + Drop(F(h)))`, `ω` set by `profile_admin` on a batch",
     "deepscale": "`h = λ·h + β·Drop(F(LN(h)))`, `β² = 1/N`, `λ² = 1 − β²`, then a final `LN`",
+    "pre_skip_first": "`pre`, except that layer 1's attention reads `h` itself (the embedding norm serves)",
 }
 GATED_ACTIVATIONS = {"geglu": "gelu", "swiglu": "silu"}
-HeadLayout = Literal["bert", "roberta", "electra", "distilbert"]
+HeadLayout = Literal["bert", "roberta", "electra", "distilbert", "modernbert", "eurobert", "ultrabert", "neobert"]
 HEAD_LAYOUTS = get_args(HeadLayout)
 LayerType = Literal["full_attention", "sliding_attention"]  # transformers' names
 LAYER_TYPES = get_args(LayerType)
+ClassifierPooling = Literal["first", "mean", "late"]
 
 
 @strict
@@ -56,8 +59,9 @@ class EncoderStackConfig(PreTrainedConfig):
 
     norm_placement (`str`, defaults to `"post"`):
         Where each sublayer's normalization sits: `"post"` (BERT), `"pre"`, `"sandwich"` (also named `"peri"`),
-        `"deepnorm"`, `"resi_dual"`, `"mix"`, `"lns"`, `"hybrid"`, `"hybrid_star"`, `"admin"` or `"deepscale"`. The
-        README gives the equation of each.
+        `"deepnorm"`, `"resi_dual"`, `"mix"`, `"lns"`, `"hybrid"`, `"hybrid_star"`, `"admin"`, `"deepscale"` or
+        `"pre_skip_first"` (pre-LN whose first attention has no input norm: ModernBERT's, where the embedding norm
+        serves). The README gives the equation of each.
     norm_type (`str`, defaults to `"layernorm"`):
         `"layernorm"`, `"rmsnorm"`, `"dyt"` (`weight * tanh(alpha * x) + bias`) or `"derf"`
         (`weight * erf(alpha * x + shift) + bias`), for every norm in the model; `alpha` and `shift` are learnable
@@ -72,7 +76,23 @@ class EncoderStackConfig(PreTrainedConfig):
     position_embedding_type (`str`, defaults to `"absolute"`):
         `"absolute"` (learned), `"sinusoidal"` (fixed, as in the 2017 Transformer) or `"rope"` (rotary).
     rope_theta (`float`, defaults to 10000.0):
-        Base of the rotary frequencies, used with `position_embedding_type="rope"`.
+        Base of the rotary frequencies, used with `position_embedding_type="rope"` where `rope_parameters` names
+        none.
+    rope_parameters (`dict`, *optional*):
+        transformers' rotary parameters: one dict for every layer (`{"rope_type": "default", "rope_theta": 1e4}`;
+        `rope_type` one of transformers' `ROPE_INIT_FUNCTIONS`, with its own keys, e.g. `"factor"`), or one per layer
+        type (`{"full_attention": {...}, "sliding_attention": {...}}`: ModernBERT's global and local bases). `None`:
+        the default rotary with `rope_theta` everywhere. The frequencies are transformers' own functions'.
+    num_key_value_heads (`int`, *optional*):
+        Grouped-query attention: the number of key/value heads, each shared by `num_attention_heads /
+        num_key_value_heads` query heads (EuroBERT). `None`: one per query head.
+    attention_bias (`bool`, defaults to `True`):
+        Whether the query, key, value and output projections have biases (BERT's do; ModernBERT's, EuroBERT's not).
+    mlp_bias (`bool` or `"down"`, defaults to `True`):
+        Which feed-forward projections have biases: all (`True`), none (`False`), or `"down"`, the output projection
+        only (GTE's).
+    norm_bias (`bool`, defaults to `True`):
+        Whether every LayerNorm has a bias (ModernBERT's have none).
     resi_dual_scale (`float`, defaults to 1.0):
         ResiDual only: constant factor on every update of the un-normalized stream. The final norm makes it
         exact in real arithmetic; a value below 1 keeps that stream from overflowing in low precision.
@@ -96,7 +116,23 @@ class EncoderStackConfig(PreTrainedConfig):
         tanh and the classifier on the first token, no pooler; masked-LM activation gelu), `"electra"` (dense, gelu,
         classifier on the first token for sequence classification and multiple choice; no pooler anywhere) or
         `"distilbert"` (dense, ReLU, classifier; no pooler). `type_vocab_size=0` means no token-type embeddings
-        (DistilBERT).
+        (DistilBERT). `"modernbert"`: each classification head runs dense, gelu and norm (ModernBERT's
+        prediction head) on its pooled or per-token features, the masked-LM head dense,
+        gelu, norm and the decoder; `"eurobert"`: sequence classification dense and gelu on the pooled features, the
+        masked-LM head the decoder alone; `"ultrabert"`: the classifiers on the pooled or per-token features
+        directly, the masked-LM head two projections through `prediction_head_size`, each followed by gelu (tanh);
+        `"neobert"`: sequence classification dense and tanh on the first token, the masked-LM head the decoder alone.
+        No pooler in these four.
+    classifier_pooling (`str`, defaults to `"first"`):
+        What the sequence-level heads read: `"first"` (each sequence's first real token), `"mean"` (the mean of its
+        real tokens) or `"late"` (EuroBERT: the head's logits on every real token, averaged).
+    classifier_bias (`bool`, defaults to `True`):
+        Whether the heads' dense layers (the masked-LM transform, a layout's classification transform) have biases.
+    decoder_bias (`bool`, defaults to `True`):
+        Whether the masked-LM decoder has a bias.
+    prediction_head_size (`int`, *optional*):
+        `head_layout="ultrabert"` only: the width between the masked-LM head's two projections; `None`: the hidden
+        size.
     layer_types (`list[str]`, *optional*):
         Each layer's attention, named as in transformers: `"full_attention"` (a token sees every token of its
         sequence) or `"sliding_attention"` (a token sees the tokens within `sliding_window` of it). `None`: every
@@ -143,6 +179,42 @@ class EncoderStackConfig(PreTrainedConfig):
     head_layout: HeadLayout = "bert"
     layer_types: list[LayerType] | None = None
     sliding_window: int | None = None
+    rope_parameters: dict | None = None
+    num_key_value_heads: int | None = None
+    attention_bias: bool = True
+    mlp_bias: bool | Literal["down"] = True
+    norm_bias: bool = True
+    classifier_pooling: ClassifierPooling = "first"
+    classifier_bias: bool = True
+    decoder_bias: bool = True
+    prediction_head_size: int | None = None
+
+    def convert_rope_params_to_dict(self, **kwargs):
+        """transformers would write a `rope_parameters` into every config; this one keeps `None` (rope_theta
+        everywhere) and spells a given one out per layer type, with `rope_theta` where it names none."""
+        given = self.rope_parameters
+        if isinstance(given, dict) and not (any(k in LAYER_TYPES for k in given) and set(given) - set(LAYER_TYPES)):
+            self.rope_parameters = self.rope_parameters_by_type()  # (a mixed dict is left for validation to name)
+        return kwargs
+
+    def standardize_rope_params(self):
+        """Already standard: `rope_parameters` is kept per layer type (see `convert_rope_params_to_dict`)."""
+
+    def nested_rope_parameter_keys(self, rope_parameters):
+        return [key for key in rope_parameters if key in LAYER_TYPES]
+
+    def rope_parameters_by_type(self) -> dict:
+        """{layer type: that type's rotary parameters}, each with its `rope_type` and `rope_theta`."""
+        given = self.rope_parameters or {}
+        nested = any(key in LAYER_TYPES for key in given)
+        return {
+            layer_type: {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                **dict(given.get(layer_type) or {} if nested else given),
+            }
+            for layer_type in LAYER_TYPES
+        }
 
     def validate_architecture(self):
         """Part of `@strict` validation: every message names the field and the offending value."""
@@ -182,6 +254,18 @@ class EncoderStackConfig(PreTrainedConfig):
             raise ValueError(
                 f"Rotary positions need an even head size, got {self.hidden_size // self.num_attention_heads}."
             )
+        kv_heads = self.num_key_value_heads
+        if kv_heads is not None and (kv_heads <= 0 or self.num_attention_heads % kv_heads):
+            raise ValueError(
+                f"`num_key_value_heads` ({kv_heads}) must be a positive divisor of `num_attention_heads` "
+                f"({self.num_attention_heads})."
+            )
+        if self.rope_parameters is not None:
+            self.check_rope_parameters()
+        if self.prediction_head_size is not None and self.prediction_head_size <= 0:
+            raise ValueError(
+                f"`prediction_head_size` must be a positive integer or None, got {self.prediction_head_size}."
+            )
         if not 0 <= self.mix_ln_ratio <= 1:
             raise ValueError(f"`mix_ln_ratio` must lie in [0, 1], got {self.mix_ln_ratio}.")
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
@@ -196,6 +280,27 @@ class EncoderStackConfig(PreTrainedConfig):
         for name in ("layer_norm_eps", "initializer_range", "rope_theta", "resi_dual_scale", "dyt_alpha_init"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"`{name}` must be a positive finite number, got {getattr(self, name)}.")
+
+    def check_rope_parameters(self):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if not isinstance(self.rope_parameters, dict):
+            raise ValueError(f"`rope_parameters` must be a dict or None, got {self.rope_parameters!r}.")
+        unknown = [key for key in self.rope_parameters if key not in LAYER_TYPES]
+        if unknown and any(key in LAYER_TYPES for key in self.rope_parameters):
+            raise ValueError(f"`rope_parameters` names {unknown}, which are not layer types {list(LAYER_TYPES)}.")
+        for layer_type, parameters in self.rope_parameters_by_type().items():
+            rope_type = parameters["rope_type"]
+            if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(
+                    f"`rope_parameters` ({layer_type}): unknown rope_type {rope_type!r}; expected 'default' or one of "
+                    f"{sorted(ROPE_INIT_FUNCTIONS)}."
+                )
+            theta = parameters["rope_theta"]
+            if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
+                raise ValueError(
+                    f"`rope_parameters` ({layer_type}): rope_theta must be a positive number, got {theta}."
+                )
 
 
 __all__ = ["EncoderStackConfig"]

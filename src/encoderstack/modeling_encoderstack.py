@@ -34,6 +34,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, logging
@@ -80,7 +81,7 @@ def make_norm(config: EncoderStackConfig, size: int | None = None) -> nn.Module:
         return DynamicErf(size, config.dyt_alpha_init)
     if config.norm_type == "rmsnorm":
         return nn.RMSNorm(size, eps=config.layer_norm_eps)
-    return nn.LayerNorm(size, eps=config.layer_norm_eps)
+    return nn.LayerNorm(size, eps=config.layer_norm_eps, bias=config.norm_bias)
 
 
 def sinusoidal_positions(position_ids: torch.Tensor, dim: int) -> torch.Tensor:
@@ -136,23 +137,49 @@ def default_position_ids(config, input_ids, attention_mask, packing, seq_length,
     return (real.long().cumsum(-1) - 1).clamp(min=0) + offset  # padding reuses a real row: its output is ignored
 
 
+def layer_type_of(config: EncoderStackConfig, layer_idx: int) -> str:
+    return config.layer_types[layer_idx] if config.layer_types is not None else "full_attention"
+
+
 class EncoderStackRotaryEmbedding(nn.Module):
-    """cos/sin tables of rotary position embedding (RoFormer), computed once per forward and shared by all layers."""
+    """cos/sin tables of rotary position embedding (RoFormer), one pair per layer type (each type its own base or
+    scaling: `config.rope_parameters`), computed once per forward and shared by the layers of that type. Frequencies
+    other than the default rotary's, and their dynamic updates, are transformers' own functions, as the families'
+    classes call them (their attribute names follow ModernBERT's rotary embedding, which those functions read)."""
 
     def __init__(self, config: EncoderStackConfig):
         super().__init__()
+        self.config = config
         self.head_dim = config.hidden_size // config.num_attention_heads
-        self.theta = config.rope_theta
-        self.inv_freq = nn.Buffer(self.compute_inv_freq(), persistent=False)
+        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
+        self.layer_types = sorted({layer_type_of(config, index) for index in range(config.num_hidden_layers)})
+        parameters = config.rope_parameters_by_type()
+        self.rope_type = {layer_type: parameters[layer_type]["rope_type"] for layer_type in self.layer_types}
+        self.theta = {layer_type: parameters[layer_type]["rope_theta"] for layer_type in self.layer_types}
+        for layer_type in self.layer_types:
+            inv_freq, scaling = self.compute_inv_freq(layer_type)
+            setattr(self, f"{layer_type}_inv_freq", nn.Buffer(inv_freq, persistent=False))
+            setattr(self, f"{layer_type}_original_inv_freq", nn.Buffer(inv_freq.clone(), persistent=False))
+            setattr(self, f"{layer_type}_attention_scaling", scaling)
 
-    def compute_inv_freq(self) -> torch.Tensor:
-        return 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
+    def compute_inv_freq(self, layer_type: str) -> tuple[torch.Tensor, float]:
+        if self.rope_type[layer_type] != "default":
+            return ROPE_INIT_FUNCTIONS[self.rope_type[layer_type]](self.config, None, layer_type=layer_type)
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim
+        return 1.0 / (self.theta[layer_type] ** exponents), 1.0
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = position_ids.unsqueeze(-1).float() * self.inv_freq
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{layer type: (cos, sin)}"""
+        tables = {layer_type: self.tables(position_ids, position_ids, layer_type) for layer_type in self.layer_types}
+        return {layer_type: (cos.to(dtype), sin.to(dtype)) for layer_type, (cos, sin) in tables.items()}
+
+    @dynamic_rope_update  # `x` only gives the device, as in transformers' rotary embeddings
+    def tables(self, x, position_ids, layer_type):
+        angles = position_ids.unsqueeze(-1).float() * getattr(self, f"{layer_type}_inv_freq")
         # (..., 1, head_dim): broadcasts over the heads of (batch, seq, heads, head_dim) and packed (tokens, heads, ...)
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(-2)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        scaling = getattr(self, f"{layer_type}_attention_scaling")
+        return angles.cos() * scaling, angles.sin() * scaling
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -264,6 +291,20 @@ def first_tokens(hidden_states: torch.Tensor, attention_mask, packing: "PackedSe
     if packing is not None and packing.flattened:
         return packing.first_tokens(packing.pack(hidden_states))
     return first_real_tokens(hidden_states, attention_mask)
+
+
+def pool_tokens(encoded: "Encoded", tokens: torch.Tensor, pooling: str) -> torch.Tensor:
+    """(batch, seq, ...) -> (sequences, ...): each sequence's first real token (`"first"`) or the mean of its real
+    tokens (`"mean"`), in rows or flattened sequences."""
+    packing = encoded.packing
+    if pooling == "first":
+        return first_tokens(tokens, encoded.real, packing)
+    if packing is not None and packing.flattened:
+        tokens, real = packing.by_sequence(packing.pack(tokens))
+    else:
+        real = encoded.real if encoded.real is not None else torch.ones(tokens.shape[:2], dtype=torch.bool)
+    real = real.to(device=tokens.device, dtype=tokens.dtype).unsqueeze(-1)
+    return (tokens * real).sum(1) / real.sum(1)
 
 
 class EncoderStackKwargs(TransformersKwargs, total=False):
@@ -611,10 +652,14 @@ class EncoderStackAttention(nn.Module):
         self.layer_type = layer_type
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim**-0.5
-        self.query = LayerProjection(config.hidden_size, config.hidden_size)
-        self.key = LayerProjection(config.hidden_size, config.hidden_size)
-        self.value = BranchProjection(config.hidden_size, config.hidden_size)
-        self.output = BranchProjection(config.hidden_size, config.hidden_size)
+        # grouped-query attention: each key/value head serves `groups` query heads
+        kv_size = (config.num_key_value_heads or config.num_attention_heads) * self.head_dim
+        self.groups = config.hidden_size // kv_size
+        bias = config.attention_bias
+        self.query = LayerProjection(config.hidden_size, config.hidden_size, bias=bias)
+        self.key = LayerProjection(config.hidden_size, kv_size, bias=bias)
+        self.value = BranchProjection(config.hidden_size, kv_size, bias=bias)
+        self.output = BranchProjection(config.hidden_size, config.hidden_size, bias=bias)
         self.attention_dropout = config.attention_probs_dropout_prob
         # HybridNorm's QKV-norm: one norm over each head's features, shared by the heads, as its reference code
         norms = [make_norm(config, self.head_dim) if qkv_norm else nn.Identity() for _ in range(3)]
@@ -628,6 +673,8 @@ class EncoderStackAttention(nn.Module):
         )
         if rotary is not None:
             query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+        if self.groups > 1:
+            key, value = (x.repeat_interleave(self.groups, dim=-2) for x in (key, value))
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
         name, window = (self.config._attn_implementation, {}) if plan is None else plan.layer_attention(self.layer_type)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)
@@ -652,8 +699,9 @@ class EncoderStackMLP(nn.Module):
         super().__init__()
         self.gated = config.hidden_act in GATED_ACTIVATIONS
         self.act = ACT2FN[GATED_ACTIVATIONS.get(config.hidden_act, config.hidden_act)]
-        self.up = BranchProjection(config.hidden_size, config.intermediate_size * (2 if self.gated else 1))
-        self.down = BranchProjection(config.intermediate_size, config.hidden_size)
+        up_bias, down_bias = config.mlp_bias is True, config.mlp_bias in (True, "down")
+        self.up = BranchProjection(config.hidden_size, config.intermediate_size * (2 if self.gated else 1), up_bias)
+        self.down = BranchProjection(config.intermediate_size, config.hidden_size, down_bias)
 
     def forward(self, hidden_states):
         if self.gated:
@@ -710,6 +758,11 @@ def hybrid_norm_star(config: EncoderStackConfig, layer_idx: int, sublayer: str) 
     return hybrid_norm(config, layer_idx, sublayer)
 
 
+def pre_skip_first(config: EncoderStackConfig, layer_idx: int, sublayer: str) -> Placement:
+    """ModernBERT's pre-LN: the first attention reads the normalized embeddings without a norm of its own."""
+    return Placement() if (layer_idx, sublayer) == (0, "attention") else PLACEMENTS["pre"]
+
+
 SANDWICH = Placement(norm_in=True, norm_branch=True, final_norm=True)
 PLACEMENTS = {
     "post": Placement(norm_out=True),
@@ -730,6 +783,7 @@ PLACEMENTS = {
         branch_scale=lambda n: (1 / n) ** 0.5,
         fan_in_init=True,
     ),
+    "pre_skip_first": Placement(final_norm=True, per_sublayer=pre_skip_first),
 }
 
 
@@ -778,8 +832,12 @@ class EncoderStackLayer(GradientCheckpointingLayer):
         self.attention_residual = Residual(config, layer_idx, "attention")
         self.mlp = EncoderStackMLP(config)
         self.mlp_residual = Residual(config, layer_idx, "mlp")
+        self.attention_type = layer_type_of(config, layer_idx)
 
     def forward(self, hidden_states, dual, attention_mask, rotary=None, **kwargs):
+        """`rotary`: {layer type: (cos, sin)}, of which this layer takes its type's."""
+        rotary = rotary[self.attention_type] if rotary is not None else None
+
         def attend(hidden_states):
             return self.attention(hidden_states, attention_mask, rotary, **kwargs)[0]
 
@@ -815,12 +873,18 @@ class Heads:
     """The parts of the task heads that differ between the BERT-family layouts (`config.head_layout`), the way
     `Placement` holds a placement: what feeds the sequence-level classifiers (None: BERT's pooler in the encoder; an
     activation: the head's own dense layer and that activation on the first token, without a pooler) and the
-    masked-LM head's activation (None: `hidden_act`); whether the bare encoder has BERT's pooler at all."""
+    masked-LM head's activation (None: `hidden_act`); whether the bare encoder has BERT's pooler at all; whether the
+    per-token classifiers also get the dense layer and activation first, and whether a norm follows them (ModernBERT's
+    prediction head); and what the masked-LM head is: `"transform"` (dense, activation, norm, decoder: BERT's),
+    `"decoder"` (the decoder alone) or `"two_layer"` (dense, activation, dense back, activation, decoder)."""
 
     sequence: str | None = None  # sequence classification
     choice: str | None = None  # multiple choice
+    token: str | None = None  # token classification and question answering
     lm_act: str | None = None
     pooler: bool = True
+    transform_norm: bool = False
+    lm: str = "transform"
 
 
 HEADS = {
@@ -828,24 +892,41 @@ HEADS = {
     "roberta": Heads(sequence="tanh", lm_act="gelu"),  # multiple choice keeps the pooler, as RoBERTa's does
     "electra": Heads(sequence="gelu", choice="gelu", lm_act="gelu", pooler=False),
     "distilbert": Heads(sequence="relu", choice="relu", pooler=False),
+    "modernbert": Heads(sequence="gelu", choice="gelu", token="gelu", lm_act="gelu", pooler=False, transform_norm=True),
+    "eurobert": Heads(sequence="gelu", pooler=False, lm="decoder"),
+    "ultrabert": Heads(lm_act="gelu_pytorch_tanh", pooler=False, lm="two_layer"),
+    "neobert": Heads(sequence="tanh", pooler=False, lm="decoder"),
 }
 
 
 class EncoderStackLMHead(nn.Module):
-    """BERT's masked-LM head: dense, activation, norm, then the decoder tied to the word embeddings (at
-    `embedding_size` where the embeddings are narrower than the hidden states, as ELECTRA's generator)."""
+    """The masked-LM head, as the layout's `Heads.lm` says: BERT's dense, activation, norm, then the decoder tied to
+    the word embeddings (at `embedding_size` where the embeddings are narrower than the hidden states, as ELECTRA's
+    generator); the decoder alone; or two projections, each followed by the activation, then the decoder."""
 
     def __init__(self, config: EncoderStackConfig):
         super().__init__()
         size = config.embedding_size or config.hidden_size
-        act = HEADS[config.head_layout].lm_act or config.hidden_act
-        self.dense = nn.Linear(config.hidden_size, size)
+        heads = HEADS[config.head_layout]
+        act = heads.lm_act or config.hidden_act
         self.act = ACT2FN[GATED_ACTIVATIONS.get(act, act)]
-        self.norm = make_norm(config, size)
-        self.decoder = nn.Linear(size, config.vocab_size)
+        self.dense = self.dense_out = None
+        self.norm = nn.Identity()
+        if heads.lm == "transform":
+            self.dense = nn.Linear(config.hidden_size, size, bias=config.classifier_bias)
+            self.norm = make_norm(config, size)
+        elif heads.lm == "two_layer":
+            inner = config.prediction_head_size or config.hidden_size
+            self.dense = nn.Linear(config.hidden_size, inner, bias=config.classifier_bias)
+            self.dense_out = nn.Linear(inner, size, bias=config.classifier_bias)
+        self.decoder = nn.Linear(size, config.vocab_size, bias=config.decoder_bias)
 
     def forward(self, hidden_states):
-        return self.decoder(self.norm(self.act(self.dense(hidden_states))))
+        if self.dense is not None:
+            hidden_states = self.act(self.dense(hidden_states))
+        if self.dense_out is not None:
+            hidden_states = self.act(self.dense_out(hidden_states))
+        return self.decoder(self.norm(hidden_states))
 
 
 class EncoderStackPreTrainedModel(PreTrainedModel):
@@ -904,7 +985,10 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
             if isinstance(module, DynamicErf):
                 init.zeros_(module.shift)
         elif isinstance(module, EncoderStackRotaryEmbedding):
-            init.copy_(module.inv_freq, module.compute_inv_freq())
+            for layer_type in module.layer_types:
+                inv_freq, _ = module.compute_inv_freq(layer_type)
+                init.copy_(getattr(module, f"{layer_type}_inv_freq"), inv_freq)
+                init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), inv_freq)
 
     @torch.no_grad()
     def profile_admin(self, input_ids, attention_mask=None, token_type_ids=None) -> list[float]:
@@ -1335,7 +1419,8 @@ class EncoderStackHead(EncoderStackPreTrainedModel):
 
 
 class EncoderStackClassifierHead(EncoderStackHead):
-    """Dropout + one linear layer on the pooled output (sequence-level heads) or on every token."""
+    """Dropout + one linear layer on the pooled output (sequence-level heads) or on every token, after the layout's
+    dense layer, activation and norm where it has them."""
 
     num_outputs = None  # defaults to config.num_labels
 
@@ -1343,22 +1428,38 @@ class EncoderStackClassifierHead(EncoderStackHead):
         super().__init__(config)
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
         self.dropout = nn.Dropout(dropout)
-        if self.first_token_act is not None:  # the family's own sequence head in place of BERT's pooler
-            self.pre_classifier = nn.Linear(config.hidden_size, config.hidden_size)
+        if self.first_token_act is not None:  # the family's own transform in place of BERT's pooler
+            self.pre_classifier = nn.Linear(config.hidden_size, config.hidden_size, bias=config.classifier_bias)
             self.pre_classifier_act = ACT2FN[self.first_token_act]
+            self.pre_classifier_norm = make_norm(config) if HEADS[config.head_layout].transform_norm else nn.Identity()
         self.classifier = nn.Linear(config.hidden_size, self.num_outputs or config.num_labels)
         self.post_init()
+
+    def transform(self, features):
+        """The layout's dense, activation (and norm) before the classifier; nothing where it has none."""
+        if self.first_token_act is None:
+            return features
+        return self.pre_classifier_norm(self.pre_classifier_act(self.pre_classifier(features)))
 
     def logits(self, features):
         return self.classifier(self.dropout(features))
 
+    def token_logits(self, hidden_states):
+        return self.logits(self.transform(hidden_states))
+
     def sequence_features(self, encoded: Encoded) -> torch.Tensor:
-        """What a sequence-level head classifies: BERT's pooled output, or the family's dense + activation on the
-        first token of every sequence."""
-        if self.first_token_act is None:
+        """What a sequence-level head classifies: BERT's pooled output, or the layout's transform of each sequence's
+        pooled tokens (`config.classifier_pooling`: its first real token or their mean)."""
+        if self.model.pooler is not None:
             return encoded.outputs.pooler_output
-        first = first_tokens(encoded.outputs.last_hidden_state, encoded.real, encoded.packing)
-        return self.pre_classifier_act(self.pre_classifier(self.dropout(first)))
+        pooled = pool_tokens(encoded, encoded.outputs.last_hidden_state, self.config.classifier_pooling)
+        return self.transform(self.dropout(pooled))
+
+    def sequence_logits(self, encoded: Encoded) -> torch.Tensor:
+        """One row of logits per sequence; `late` pooling (EuroBERT) averages the per-token logits instead."""
+        if self.config.classifier_pooling == "late":
+            return pool_tokens(encoded, self.token_logits(encoded.outputs.last_hidden_state), "mean")
+        return self.logits(self.sequence_features(encoded))
 
 
 class EncoderStackForMaskedLM(EncoderStackHead):
@@ -1447,7 +1548,7 @@ class EncoderStackForSequenceClassification(EncoderStackClassifierHead):
     head_part = "sequence"
 
     def predict(self, encoded: Encoded, labels, num_items) -> SequenceClassifierOutput:
-        logits = self.logits(self.sequence_features(encoded))
+        logits = self.sequence_logits(encoded)
         loss = self.sequence_loss(logits, labels, num_items) if labels is not None else None
         return SequenceClassifierOutput(loss=loss, logits=logits, **encoded.recorded)
 
@@ -1475,8 +1576,10 @@ class EncoderStackForSequenceClassification(EncoderStackClassifierHead):
 class EncoderStackForTokenClassification(EncoderStackClassifierHead):
     """One label per token; labels at padded positions count for nothing."""
 
+    head_part = "token"
+
     def predict(self, encoded: Encoded, labels, num_items) -> TokenClassifierOutput:
-        logits, loss = encoded.per_token(self.logits, labels, num_items)
+        logits, loss = encoded.per_token(self.token_logits, labels, num_items)
         return TokenClassifierOutput(loss=loss, logits=logits, **encoded.recorded)
 
 
@@ -1486,6 +1589,7 @@ class EncoderStackForQuestionAnswering(EncoderStackClassifierHead):
     from that sequence's first token."""
 
     num_outputs = 2
+    head_part = "token"
 
     @can_return_tuple
     def forward(
@@ -1500,7 +1604,7 @@ class EncoderStackForQuestionAnswering(EncoderStackClassifierHead):
         **kwargs: Unpack[EncoderStackKwargs],
     ) -> QuestionAnsweringModelOutput:
         encoded = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
-        logits, _ = encoded.per_token(self.logits)
+        logits, _ = encoded.per_token(self.token_logits)
         if encoded.real is not None:
             logits = logits.masked_fill(~encoded.real[..., None].to(logits.device), torch.finfo(logits.dtype).min)
         start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
@@ -1551,7 +1655,7 @@ class EncoderStackForMultipleChoice(EncoderStackClassifierHead):
                 "Multiple choice scores whole rows: flattened sequences (`position_ids` that restart, or "
                 "`cu_seq_lens_q`) are not supported; pass padded (batch, num_choices, sequence) inputs."
             )
-        logits = self.logits(self.sequence_features(encoded)).view(-1, num_choices)
+        logits = self.sequence_logits(encoded).view(-1, num_choices)
         if labels is not None:
             check_shape("labels", labels, (batch_size,), "the questions")
         loss = cross_entropy(logits, labels, num_items) if labels is not None else None

@@ -4,6 +4,7 @@ Nothing is written where the user can see it until the whole folder is complete 
 in a hidden sibling folder and renamed into place at the end.
 """
 
+import dataclasses
 import errno
 import json
 import math
@@ -31,6 +32,7 @@ from .keymap import (
     REFUSED_FAMILIES,
     TASKS,
     ConversionError,
+    Piece,
     Task,
     task_for_architecture,
     task_for_encoderstack_class,
@@ -50,12 +52,33 @@ from .sources import (
 TOLERANCE = 1e-5
 
 
+@dataclass(frozen=True)
+class SourceRows:
+    """One row block of a target: a source tensor (transposed where the source stores it so), or the rows of it that
+    the key map's `Piece` selects, in that order."""
+
+    key: str
+    transpose: bool = False
+    rows: tuple[int, ...] | None = None
+
+    def shape(self, source: TensorSource) -> tuple[int, ...]:
+        shape = source.shape(self.key)[::-1] if self.transpose else source.shape(self.key)
+        return shape if self.rows is None else (len(self.rows), *shape[1:])
+
+    def read(self, source: TensorSource) -> torch.Tensor:
+        tensor = source.get(self.key)
+        if not all_finite(tensor):  # outputs would be NaN (or 0 where a mask hides them)
+            raise ConversionError(f"{source.file_of(self.key)}: tensor {self.key!r} holds NaN or infinite values")
+        tensor = tensor.T if self.transpose else tensor
+        return tensor if self.rows is None else tensor.index_select(0, torch.tensor(self.rows))
+
+
 @dataclass
 class Plan:
     family: str
     task: Task
     config: EncoderStackConfig
-    mapped: dict  # target key -> (source key, transpose?)
+    mapped: dict  # target key -> (SourceRows, ...): its row blocks in order (one for a tensor taken as it is)
     skipped: dict  # source key -> reason
     initialized: list  # target keys the source does not have (only when the task was chosen explicitly)
 
@@ -252,54 +275,55 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
     other_heads = {pair: other.name for other in TASKS.values() if other != task for pair in family.head_keys_of(other)}
     source_names = {key: (family.local_name(name), transpose) for key, (name, transpose) in source.bert_names.items()}
     names = {name for name, _ in source_names.values()}
-    mapped, skipped = {}, dict(source.skipped)
+    blocks, skipped = {}, dict(source.skipped)  # blocks: target -> {block index: SourceRows}
     for key, (name, transpose) in sorted(source_names.items()):
         target = translate(name, family.encoder_keys)
-        target = prefix + target if target else translate(name, head_keys)
+        pieces = (
+            [prefixed(piece, prefix) for piece in as_pieces(target)]
+            if target
+            else as_pieces(translate(name, head_keys))
+        )
         if name in family.skipped and not (
-            target and name == "cls.predictions.decoder.bias" and "cls.predictions.bias" not in names
+            pieces and name == "cls.predictions.decoder.bias" and "cls.predictions.bias" not in names
         ):
             skipped[key] = family.skipped[name]
-        elif target == "lm_head.decoder.weight" and config.tie_word_embeddings:
+        elif [piece.target for piece in pieces] == ["lm_head.decoder.weight"] and config.tie_word_embeddings:
             refuse_untied_decoder(source, source_names, key)
             skipped[key] = "tied to the word embeddings (tie_word_embeddings=true)"
-        elif target is None:
+        elif not pieces:
             owner = next((other_heads[pair] for pair in other_heads if translate(name, [pair])), None)
             if owner is None:
                 raise ConversionError(
                     f"{source.folder}: unknown tensor {key!r} (not part of a {family_name} checkpoint)"
                 )
             skipped[key] = f"head of task {owner!r}, not used by task {task.name!r}"
-        elif target not in expected and target.startswith(prefix + "pooler."):
-            skipped[key] = (
-                f"pooler: {task.encoderstack_class} has none, as {family.architecture_prefix + task.bert_suffix}"
-            )
-        elif target not in expected:
-            raise ConversionError(
-                f"{source.folder}: tensor {key!r} maps to {target!r}, which {task.encoderstack_class} with "
-                f"norm_placement={config.norm_placement!r} does not have"
-            )
-        elif target in mapped:
-            raise ConversionError(f"{source.folder}: tensors {mapped[target][0]!r} and {key!r} both map to {target!r}")
+        elif all(piece.target not in expected and piece.target.startswith(prefix + "pooler.") for piece in pieces):
+            skipped[key] = f"pooler: {task.encoderstack_class} has none, as {family.architecture(task)}"
         else:
-            shape, dtype = source.tensors.shape(key), source.tensors.dtype(key)
-            shape = shape[::-1] if transpose else shape
-            if not dtype.is_floating_point:
-                raise ConversionError(
-                    f"{source.tensors.file_of(key)}: tensor {key!r} is stored as {dtype}; "
-                    "a BERT weight is floating point"
-                )
-            if 0 in shape:
-                raise ConversionError(
-                    f"{source.tensors.file_of(key)}: tensor {key!r} has shape {list(shape)}; "
-                    "no BERT has an empty weight"
-                )
-            if shape != expected[target]:
-                raise ConversionError(
-                    f"{source.folder}: tensor {key!r} has shape {list(shape)}, but {target!r} needs "
-                    f"{list(expected[target])} for this config"
-                )
-            mapped[target] = (key, transpose)
+            check_source_tensor(source, key)
+            for piece in pieces:
+                if piece.target not in expected:
+                    raise ConversionError(
+                        f"{source.folder}: tensor {key!r} maps to {piece.target!r}, which {task.encoderstack_class} "
+                        f"with norm_placement={config.norm_placement!r} does not have"
+                    )
+                rows = None
+                if piece.rows is not None:
+                    count = source.tensors.shape(key)[-1 if transpose else 0]
+                    rows = tuple(piece.rows(config, count))
+                    if not rows or max(rows) >= count:
+                        raise ConversionError(
+                            f"{source.folder}: tensor {key!r} has {count} rows, too few for {piece.target!r} "
+                            "with this config"
+                        )
+                filled = blocks.setdefault(piece.target, {})
+                if piece.block in filled:
+                    raise ConversionError(
+                        f"{source.folder}: tensors {filled[piece.block].key!r} and {key!r} both map to {piece.target!r}"
+                    )
+                filled[piece.block] = SourceRows(key, transpose, rows)
+                filled["of"] = piece.of
+    mapped = {target: assemble(source, target, filled, expected[target]) for target, filled in blocks.items()}
 
     # A source may lack the pooler (BERT's add_pooling_layer=False); a task chosen explicitly may lack its head.
     # Those start from the usual initialization and are listed; any other missing tensor is an error.
@@ -313,19 +337,63 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
     return Plan(family_name, task, config, mapped, skipped, missing)
 
 
+def as_pieces(target) -> list[Piece]:
+    """A key map's target (a name, a `Piece`, a tuple of them, or None) as a list of pieces."""
+    if target is None:
+        return []
+    return [Piece(target)] if isinstance(target, str) else list(target) if isinstance(target, tuple) else [target]
+
+
+def prefixed(piece: Piece, prefix: str) -> Piece:
+    return dataclasses.replace(piece, target=prefix + piece.target)
+
+
+def check_source_tensor(source: Source, key: str) -> None:
+    dtype = source.tensors.dtype(key)
+    if not dtype.is_floating_point:
+        raise ConversionError(
+            f"{source.tensors.file_of(key)}: tensor {key!r} is stored as {dtype}; a BERT weight is floating point"
+        )
+    if 0 in source.tensors.shape(key):
+        raise ConversionError(
+            f"{source.tensors.file_of(key)}: tensor {key!r} has shape {list(source.tensors.shape(key))}; "
+            "no BERT has an empty weight"
+        )
+
+
+def assemble(source: Source, target: str, filled: dict, expected: tuple) -> tuple[SourceRows, ...]:
+    """A target's row blocks in order, checked: every block given, one dtype, and the shape the config needs."""
+    of = filled.pop("of")
+    if sorted(filled) != list(range(of)):
+        keys = ", ".join(repr(piece.key) for piece in filled.values())
+        raise ConversionError(f"{source.folder}: {target!r} takes {of} source tensors, but only {keys} map to it")
+    pieces = tuple(filled[block] for block in range(of))
+    shapes = [piece.shape(source.tensors) for piece in pieces]
+    shape = (sum(shape[0] for shape in shapes), *shapes[0][1:])
+    if any(tuple(other[1:]) != tuple(shapes[0][1:]) for other in shapes) or shape != tuple(expected):
+        keys = ", ".join(repr(piece.key) for piece in pieces)
+        given = list(shape) if len(pieces) == 1 else [list(other) for other in shapes]
+        what = "has shape" if pieces[0].rows is None and len(pieces) == 1 else "gives shape"
+        raise ConversionError(
+            f"{source.folder}: tensor {keys} {what} {given}, but {target!r} needs {list(expected)} for this config"
+        )
+    if len({source.tensors.dtype(piece.key) for piece in pieces}) > 1:
+        raise ConversionError(f"{source.folder}: {target!r} takes tensors of different dtypes")
+    return pieces
+
+
 def write_safetensors(path: Path, source: TensorSource, mapped: dict) -> None:
-    """Stream the mapped tensors into one safetensors file: one tensor in memory at a time."""
+    """Stream the mapped tensors into one safetensors file: one source tensor in memory at a time (a target made of
+    row blocks is written block by block, each block the rows of one source tensor)."""
     codes = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
     header, offset, order = {}, 0, sorted(mapped)
     for target in order:
-        key, transpose = mapped[target]
-        shape = source.shape(key)[::-1] if transpose else source.shape(key)
-        size = torch.Size(shape).numel() * torch.empty((), dtype=source.dtype(key)).element_size()
-        header[target] = {
-            "dtype": codes[source.dtype(key)],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + size],
-        }
+        pieces = mapped[target]
+        shapes = [piece.shape(source) for piece in pieces]
+        shape = (sum(shape[0] for shape in shapes), *shapes[0][1:])
+        dtype = source.dtype(pieces[0].key)
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[target] = {"dtype": codes[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     header["__metadata__"] = {"format": "pt"}
     encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -333,13 +401,10 @@ def write_safetensors(path: Path, source: TensorSource, mapped: dict) -> None:
     with open(path, "wb") as out:
         out.write(struct.pack("<Q", len(encoded)) + encoded)
         for target in tqdm(order, desc="Writing tensors", unit="tensor", disable=None, leave=False):
-            key, transpose = mapped[target]
-            tensor = source.get(key)
-            if not all_finite(tensor):  # outputs would be NaN (or 0 where a mask hides them)
-                raise ConversionError(f"{source.file_of(key)}: tensor {key!r} holds NaN or infinite values")
-            tensor = (tensor.T if transpose else tensor).contiguous()
-            if tensor.numel():
-                out.write(tensor.reshape(-1).view(torch.uint8).numpy())  # the tensor's own buffer, no copy
+            for piece in mapped[target]:
+                tensor = piece.read(source).contiguous()
+                if tensor.numel():
+                    out.write(tensor.reshape(-1).view(torch.uint8).numpy())  # the tensor's own buffer, no copy
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -402,7 +467,7 @@ def convert(
                 "encoderstack_class": conversion.task.encoderstack_class,
                 "norm_placement": conversion.config.norm_placement,
                 **source.notes,
-                "mapped": {key: target for target, (key, _) in sorted(conversion.mapped.items())},
+                "mapped": mapped_report(conversion.mapped),
                 "skipped": conversion.skipped,
                 "initialized": conversion.initialized,
             }
@@ -421,6 +486,15 @@ def convert(
         return output.path
     finally:
         source.tensors.close()
+
+
+def mapped_report(mapped: dict) -> dict:
+    """source key -> its target, or the targets it feeds where it feeds several (a fused projection)."""
+    report = {}
+    for target, pieces in sorted(mapped.items()):
+        for piece in pieces:
+            report.setdefault(piece.key, []).append(target)
+    return {key: targets[0] if len(targets) == 1 else targets for key, targets in report.items()}
 
 
 def check_parity(source: Source, conversion: Plan, folder: Path) -> dict:
@@ -495,12 +569,12 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
         exported = ("" if task.name == "base" else family.key_prefix) + name if name else head
         if exported is None:
             raise ConversionError(f"{folder}: tensor {key!r} has no {family_name} counterpart")
-        mapped[exported] = (key, False)
+        mapped[exported] = (SourceRows(key),)
     family_config = {name: getattr(config, name) for name in BERT_FIELDS}
     output = OutputFolder(output_path, force, inputs=[folder])
     with output as partial:
         getattr(transformers, EXPORT_FAMILIES[config.head_layout][2])(
-            **family_config, num_labels=config.num_labels, architectures=[family.architecture_prefix + task.bert_suffix]
+            **family_config, num_labels=config.num_labels, architectures=[family.architecture(task)]
         ).save_pretrained(partial)
         write_safetensors(partial / "model.safetensors", tensors, mapped)
         skip = set(WEIGHT_FILE_NAMES) | {"config.json", "conversion.json", *CODE_FILES}

@@ -2,11 +2,14 @@
 
 Everything here is data. The map is a list of (BERT key, EncoderStack key) templates that reads both ways, so
 `convert` and `export_bert` share it; `{i}` stands for a layer index and `{p}` for `weight` or `bias`. BERT keys
-are written without the `bert.` prefix of its heads, EncoderStack keys without the `model.` prefix of ours.
+are written without the `bert.` prefix of its heads, EncoderStack keys without the `model.` prefix of ours. Where a
+target is not one source tensor as it is, the EncoderStack side is a `Piece` (some rows of the source, or one row
+block of the target), or a tuple of them when one source tensor feeds several targets (a fused QKV projection).
 `FAMILIES` holds every source family (BERT, Megatron-BERT, RoBERTa and its kin): its class and key prefixes, the
 EncoderStack fields its layout implies, and where its keys differ from BERT's.
 """
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +45,48 @@ LM_HEAD_KEYS = [
     ("cls.predictions.bias", "lm_head.decoder.bias"),
     ("cls.predictions.decoder.weight", "lm_head.decoder.weight"),
 ]
+
+
+RowSelection = Callable[[object, int], list[int]]  # (EncoderStackConfig, the source's row count) -> row indices
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A target built from a source tensor by rows: the source rows `rows` selects, in that order (None: all of
+    them), fill row block `block` of the `of` equal blocks of the target. The converter streams each piece in turn."""
+
+    target: str
+    rows: RowSelection | None = None
+    block: int = 0
+    of: int = 1
+
+    def format(self, **groups) -> "Piece":
+        return dataclasses.replace(self, target=self.target.format(**groups))
+
+
+def parts(*order: int, of: int) -> RowSelection:
+    """The source's rows as `of` equal blocks, taken in `order`: `parts(0, of=3)` is the query third of a fused
+    [Q; K; V] projection; `parts(1, 0, of=2)` swaps the two halves of a packed [up; gate] projection."""
+
+    def select(config, count: int) -> list[int]:
+        size = count // of
+        return [row for block in order for row in range(block * size, (block + 1) * size)]
+
+    return select
+
+
+def head_part(part: int, of: int, rotary_pairs: bool = False) -> RowSelection:
+    """Part `part` of each head of a projection fused per head (rows viewed as (heads, of, head_dim)): NeoBERT's qkv.
+    `rotary_pairs`: the head's features reordered from rotary on pairs (2i, 2i+1) to rotate-half's [0, 2, 4, ..., 1,
+    3, 5, ...], so that rotate-half on the reordered query and key gives the same scores."""
+
+    def select(config, count: int) -> list[int]:
+        heads = config.num_attention_heads
+        head_dim = count // (heads * of)
+        order = [*range(0, head_dim, 2), *range(1, head_dim, 2)] if rotary_pairs else list(range(head_dim))
+        return [(head * of + part) * head_dim + feature for head in range(heads) for feature in order]
+
+    return select
 
 
 @dataclass(frozen=True)
@@ -165,6 +210,10 @@ class Family:
     head_keys: dict = field(default_factory=dict)  # task name -> keys, where they are not BERT's
     tasks: tuple = BERT_TASKS  # the tasks it has
     skipped: dict = field(default_factory=lambda: dict(SKIPPED_KEYS))
+    architecture_names: dict = field(default_factory=dict)  # task name -> class name, where not prefix + suffix
+
+    def architecture(self, task: "Task") -> str:
+        return self.architecture_names.get(task.name, self.architecture_prefix + task.bert_suffix)
 
     @property
     def encoder_keys(self) -> list:
@@ -301,13 +350,295 @@ FAMILIES |= {
     ),
 }
 
+
+def gated(activation: str, family: str) -> str:
+    """A family's gated MLP activation as EncoderStack's `hidden_act` (the first half of the up projection gated)."""
+    gates = {"gelu": "geglu", "silu": "swiglu"}
+    if activation not in gates:
+        raise ConversionError(f"{family}'s gated activation {activation!r} is not supported (gelu or silu)")
+    return gates[activation]
+
+
+def pooling(config: dict, family: str, names: dict) -> str:
+    value = config.get("classifier_pooling", next(iter(names)))
+    if value not in names:
+        raise ConversionError(f"{family}'s classifier_pooling {value!r} is not supported ({', '.join(names)})")
+    return names[value]
+
+
+def layer_types(config: dict, every: int = 1) -> list[str]:
+    """The config's `layer_types`, or older configs' rule: full attention every `every` layers from the first."""
+    if config.get("layer_types") is not None:
+        return list(config["layer_types"])
+    layers = config.get("num_hidden_layers")
+    return ["sliding_attention" if index % every else "full_attention" for index in range(layers)]
+
+
+def rope_by_type(config: dict, full: float, sliding: float) -> dict:
+    """transformers' per-type `rope_parameters`, or older configs' `global_rope_theta` / `local_rope_theta`."""
+    given = config.get("rope_parameters") or {}
+    if "full_attention" in given or "sliding_attention" in given:
+        return {kind: dict(given[kind]) for kind in ("full_attention", "sliding_attention") if given.get(kind)}
+    return {
+        "full_attention": {"rope_type": "default", "rope_theta": config.get("global_rope_theta", full)},
+        "sliding_attention": {"rope_type": "default", "rope_theta": config.get("local_rope_theta", sliding)},
+    }
+
+
+def modernbert_fields(config: dict) -> dict:
+    """ModernBERT: pre-LN whose first attention reads the normed embeddings, LayerNorms without bias, GeGLU, rotary
+    with a base per layer type, local layers with a window of `local_attention` keys (our radius: half of it)."""
+    if config.get("classifier_activation", "gelu") != "gelu":
+        raise ConversionError(
+            f"ModernBERT's classifier_activation {config['classifier_activation']!r} is not supported (gelu)"
+        )
+    return {
+        "hidden_act": gated(config.get("hidden_activation", "gelu"), "ModernBERT"),
+        "norm_placement": "pre_skip_first",
+        "layer_norm_eps": config.get("norm_eps", 1e-5),
+        "norm_bias": config.get("norm_bias", False),
+        "attention_bias": config.get("attention_bias", False),
+        "mlp_bias": config.get("mlp_bias", False),
+        "position_embedding_type": "rope",
+        "rope_parameters": rope_by_type(config, 160_000.0, 10_000.0),
+        "layer_types": layer_types(config, config.get("global_attn_every_n_layers", 3)),
+        "sliding_window": config.get("local_attention", 128) // 2,
+        "type_vocab_size": 0,
+        "hidden_dropout_prob": config.get("mlp_dropout", 0.0),
+        "attention_probs_dropout_prob": config.get("attention_dropout", 0.0),
+        "head_layout": "modernbert",
+        "classifier_pooling": pooling(config, "ModernBERT", {"cls": "first", "mean": "mean"}),
+        "classifier_bias": config.get("classifier_bias", False),
+        "decoder_bias": config.get("decoder_bias", True),
+    }
+
+
+def llama_style_fields(config: dict, family: str) -> dict:
+    """EuroBERT's and UltraBERT's Llama-style encoder: pre-RMSNorm without an embedding norm, SwiGLU, rotary,
+    grouped-query attention, no biases unless the config says so."""
+    heads = config.get("num_attention_heads")
+    if config.get("head_dim") not in (None, config.get("hidden_size", 0) // max(heads or 1, 1)):
+        raise ConversionError(
+            f"{family}'s head_dim {config['head_dim']} other than hidden_size / heads is not supported"
+        )
+    return {
+        "hidden_act": gated(config.get("hidden_act", "silu"), family),
+        "norm_placement": "pre",
+        "norm_type": "rmsnorm",
+        "embedding_norm": False,
+        "layer_norm_eps": config.get("rms_norm_eps", 1e-5),
+        "num_key_value_heads": config.get("num_key_value_heads"),
+        "attention_bias": config.get("attention_bias", False),
+        "mlp_bias": config.get("mlp_bias", False),
+        "position_embedding_type": "rope",
+        "type_vocab_size": 0,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": config.get("attention_dropout", 0.0),
+        "classifier_dropout": config.get("classifier_dropout", 0.0),
+    }
+
+
+def eurobert_fields(config: dict) -> dict:
+    rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 10_000.0)}
+    return {
+        **llama_style_fields(config, "EuroBERT"),
+        "rope_parameters": dict(rope),
+        "head_layout": "eurobert",
+        "classifier_pooling": pooling(config, "EuroBERT", {"late": "late", "bos": "first", "mean": "mean"}),
+        "decoder_bias": config.get("mlp_bias", False),
+    }
+
+
+def ultrabert_fields(config: dict) -> dict:
+    return {
+        **llama_style_fields(config, "UltraBERT"),
+        "rope_parameters": rope_by_type(config, 2_560_000.0, 10_000.0),
+        "layer_types": layer_types(config) if config.get("layer_types") else ultrabert_layer_types(config),
+        "sliding_window": ultrabert_window(config),
+        "head_layout": "ultrabert",
+        "classifier_pooling": pooling(config, "UltraBERT", {"cls": "first", "mean": "mean"}),
+        "classifier_bias": False,
+        "decoder_bias": False,
+        "prediction_head_size": config.get("prediction_head_size", 768),
+    }
+
+
+def ultrabert_layer_types(config: dict) -> list[str]:
+    """UltraBERT's default: every third layer (1-based) full, the others sliding; original checkpoints give
+    `attention_windows`, one per layer, 0 for a full layer."""
+    if config.get("attention_windows"):
+        return ["sliding_attention" if window else "full_attention" for window in config["attention_windows"]]
+    return [
+        "sliding_attention" if (index + 1) % 3 else "full_attention" for index in range(config["num_hidden_layers"])
+    ]
+
+
+def ultrabert_window(config: dict) -> int:
+    """The radius (UltraBERT's `sliding_window` is one), or the first window of original checkpoints' list."""
+    return next(
+        (window for window in config.get("attention_windows") or () if window), config.get("sliding_window", 128)
+    )
+
+
+MODERNBERT_HEAD = (
+    ("head.dense.{p}", "pre_classifier.{p}"),
+    ("head.norm.{p}", "pre_classifier_norm.{p}"),
+    ("classifier.{p}", "classifier.{p}"),
+)
+LLAMA_STYLE_KEYS = (
+    ("embed_tokens.weight", "embeddings.word_embeddings.weight"),
+    ("layers.{i}.self_attn.q_proj.{p}", "layers.{i}.attention.query.{p}"),
+    ("layers.{i}.self_attn.k_proj.{p}", "layers.{i}.attention.key.{p}"),
+    ("layers.{i}.self_attn.v_proj.{p}", "layers.{i}.attention.value.{p}"),
+    ("layers.{i}.self_attn.o_proj.{p}", "layers.{i}.attention.output.{p}"),
+    ("layers.{i}.input_layernorm.weight", "layers.{i}.attention_residual.norm_in.weight"),
+    ("layers.{i}.post_attention_layernorm.weight", "layers.{i}.mlp_residual.norm_in.weight"),
+    # act(gate) * up: our up projection holds [gate; up], the gated half first
+    ("layers.{i}.mlp.gate_proj.{p}", Piece("layers.{i}.mlp.up.{p}", block=0, of=2)),
+    ("layers.{i}.mlp.up_proj.{p}", Piece("layers.{i}.mlp.up.{p}", block=1, of=2)),
+    ("layers.{i}.mlp.down_proj.{p}", "layers.{i}.mlp.down.{p}"),
+    ("norm.weight", "final.norm.weight"),
+)
+SEQUENCE_CLASSIFIER = (("classifier.{p}", "classifier.{p}"),)
+
+FAMILIES |= {
+    "modernbert": Family(
+        "ModernBert",
+        "model.",
+        modernbert_fields,
+        (
+            ("embeddings.tok_embeddings.weight", "embeddings.word_embeddings.weight"),
+            ("embeddings.norm.{p}", "embeddings.norm.{p}"),
+            ("layers.{i}.attn_norm.{p}", "layers.{i}.attention_residual.norm_in.{p}"),
+            (
+                "layers.{i}.attn.Wqkv.{p}",  # [Q; K; V], each all heads
+                tuple(
+                    Piece(f"layers.{{i}}.attention.{name}.{{p}}", parts(index, of=3))
+                    for index, name in enumerate(("query", "key", "value"))
+                ),
+            ),
+            ("layers.{i}.attn.Wo.{p}", "layers.{i}.attention.output.{p}"),
+            ("layers.{i}.mlp_norm.{p}", "layers.{i}.mlp_residual.norm_in.{p}"),
+            ("layers.{i}.mlp.Wi.{p}", "layers.{i}.mlp.up.{p}"),  # [input; gate]: act(input) * gate, as ours
+            ("layers.{i}.mlp.Wo.{p}", "layers.{i}.mlp.down.{p}"),
+            ("final_norm.{p}", "final.norm.{p}"),
+        ),
+        {
+            "masked-lm": (
+                ("head.dense.{p}", "lm_head.dense.{p}"),
+                ("head.norm.{p}", "lm_head.norm.{p}"),
+                ("decoder.weight", "lm_head.decoder.weight"),
+                ("decoder.bias", "lm_head.decoder.bias"),
+            ),
+            "sequence-classification": MODERNBERT_HEAD,
+            "token-classification": MODERNBERT_HEAD,
+            "question-answering": MODERNBERT_HEAD,
+            "multiple-choice": MODERNBERT_HEAD,
+        },
+        ROBERTA_TASKS,
+    ),
+    "eurobert": Family(
+        "EuroBert",
+        "model.",
+        eurobert_fields,
+        LLAMA_STYLE_KEYS,
+        {
+            "masked-lm": (("lm_head.{p}", "lm_head.decoder.{p}"),),
+            "sequence-classification": (("dense.{p}", "pre_classifier.{p}"), *SEQUENCE_CLASSIFIER),
+        },
+        ("base", "masked-lm", "sequence-classification", "token-classification"),
+    ),
+    # on disk (as on the Hub and as transformers saves it): `ultrabert.` and `cls.` where its classes say `model.` and
+    # `head.decoder.` (transformers' conversion_mapping.py)
+    "ultrabert": Family(
+        "Ultrabert",
+        "ultrabert.",
+        ultrabert_fields,
+        LLAMA_STYLE_KEYS,
+        {
+            "masked-lm": (
+                ("head.linear1.weight", "lm_head.dense.weight"),
+                ("head.linear2.weight", "lm_head.dense_out.weight"),
+                ("cls.weight", "lm_head.decoder.weight"),
+            ),
+            "sequence-classification": SEQUENCE_CLASSIFIER,
+        },
+        ("base", "masked-lm", "sequence-classification", "token-classification", "question-answering"),
+    ),
+}
+
+
+def neobert_fields(config: dict) -> dict:
+    """NeoBERT (remote code): pre-RMSNorm, SwiGLU at xformers' width (2/3 of `intermediate_size`, rounded up to a
+    multiple of 8), rotary (base 10 000) without an embedding norm, a final norm; no biases in the encoder."""
+    if config.get("ngpt"):
+        raise ConversionError("NeoBERT's normalized-GPT variant (ngpt=true) is not supported")
+    if not config.get("rope", True):
+        raise ConversionError("NeoBERT without rotary positions (rope=false) is not supported")
+    if str(config.get("hidden_act", "SwiGLU")).lower() != "swiglu":
+        raise ConversionError(f"NeoBERT's hidden_act {config['hidden_act']!r} is not supported (SwiGLU)")
+    width = int(2 * config.get("intermediate_size", 3072) / 3)
+    rms = config.get("rms_norm", True)
+    return {
+        "intermediate_size": 8 * ((width + 7) // 8),
+        "hidden_act": "swiglu",
+        "norm_placement": "pre",
+        "norm_type": "rmsnorm" if rms else "layernorm",
+        "embedding_norm": False,
+        "layer_norm_eps": config.get("norm_eps", 1e-6),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "position_embedding_type": "rope",
+        "rope_theta": 10_000.0,
+        "max_position_embeddings": config.get("max_length", 1024),
+        "type_vocab_size": 0,
+        "hidden_dropout_prob": config.get("dropout", 0.0),
+        "attention_probs_dropout_prob": 0.0,
+        "classifier_dropout": config.get("classifier_dropout", 0.1),
+        "head_layout": "neobert",
+        "tie_word_embeddings": False,
+    }
+
+
+FAMILIES["neobert"] = Family(
+    "NeoBERT",
+    "model.",
+    neobert_fields,
+    (
+        ("encoder.weight", "embeddings.word_embeddings.weight"),
+        (
+            "transformer_encoder.{i}.qkv.weight",  # per head [q; k; v]; rotary on pairs (2i, 2i+1)
+            (
+                Piece("layers.{i}.attention.query.weight", head_part(0, of=3, rotary_pairs=True)),
+                Piece("layers.{i}.attention.key.weight", head_part(1, of=3, rotary_pairs=True)),
+                Piece("layers.{i}.attention.value.weight", head_part(2, of=3)),
+            ),
+        ),
+        ("transformer_encoder.{i}.wo.weight", "layers.{i}.attention.output.weight"),
+        ("transformer_encoder.{i}.attention_norm.{p}", "layers.{i}.attention_residual.norm_in.{p}"),
+        ("transformer_encoder.{i}.ffn.w12.weight", "layers.{i}.mlp.up.weight"),  # [w1; w2]: silu(w1 x) * (w2 x)
+        ("transformer_encoder.{i}.ffn.w3.weight", "layers.{i}.mlp.down.weight"),
+        ("transformer_encoder.{i}.ffn_norm.{p}", "layers.{i}.mlp_residual.norm_in.{p}"),
+        ("layer_norm.{p}", "final.norm.{p}"),
+    ),
+    {
+        "masked-lm": (("decoder.{p}", "lm_head.decoder.{p}"),),
+        "sequence-classification": (("dense.{p}", "pre_classifier.{p}"), *SEQUENCE_CLASSIFIER),
+    },
+    ("base", "masked-lm", "sequence-classification"),
+    architecture_names={
+        "base": "NeoBERT",
+        "masked-lm": "NeoBERTLMHead",
+        "sequence-classification": "NeoBERTHFForSequenceClassification",
+    },
+)
+
 # Families that transformers has but EncoderStack's layers cannot express, and why.
 REFUSED_FAMILIES = {
     "albert": "ALBERT shares one set of layer weights across the stack and factorizes the embeddings",
     "deberta": "DeBERTa's disentangled attention adds content-to-position terms inside attention",
     "deberta-v2": "DeBERTa's disentangled attention adds content-to-position terms inside attention",
     "mpnet": "MPNet adds a learned relative position bias inside attention",
-    "modernbert": "ModernBERT's rotary, gated and alternating local/global layers are not converted yet",
     "funnel": "Funnel-Transformer pools the sequence between blocks",
     "longformer": "Longformer's sliding-window and global attention need their own attention masks",
     "big_bird": "BigBird's block-sparse attention is not BERT's dense attention",
@@ -346,12 +677,17 @@ def _compile(template: str) -> re.Pattern:
     return re.compile(pattern + r"\Z")
 
 
-def translate(key: str, pairs, reverse: bool = False) -> str | None:
-    """The other side's name of `key` under the first matching (BERT, EncoderStack) template, or None."""
+def translate(key: str, pairs, reverse: bool = False):
+    """The other side's name of `key` under the first matching (BERT, EncoderStack) template, or None; forward, a
+    `Piece` or a tuple of them where the template says so. Reverse, only plain names translate."""
     for bert, ours in pairs:
+        if reverse and not isinstance(ours, str):
+            continue
         source, target = (ours, bert) if reverse else (bert, ours)
         match = _compile(source).match(key)
         if match:
+            if isinstance(target, tuple):
+                return tuple(piece.format(**match.groupdict()) for piece in target)
             return target.format(**match.groupdict())
     return None
 
@@ -360,9 +696,9 @@ def task_for_architecture(architecture: str) -> tuple[str, Task]:
     """('bert', Task) for 'BertForMaskedLM' and the like; ConversionError for anything else."""
     for name, family in FAMILIES.items():
         for task in TASKS.values():
-            if family.has(task) and architecture == family.architecture_prefix + task.bert_suffix:
+            if family.has(task) and architecture == family.architecture(task):
                 return name, task
-    known = sorted(f.architecture_prefix + t.bert_suffix for f in FAMILIES.values() for t in TASKS.values() if f.has(t))
+    known = sorted(f.architecture(t) for f in FAMILIES.values() for t in TASKS.values() if f.has(t))
     raise ConversionError(f"architecture {architecture!r} cannot be converted; supported: {', '.join(known)}")
 
 

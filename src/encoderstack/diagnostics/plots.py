@@ -14,7 +14,7 @@ COLORS = dict(
     zip(
         NORM_PLACEMENTS,
         ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:pink", "tab:gray")
-        + ("tab:olive", "tab:cyan", "black", "gold"),
+        + ("tab:olive", "tab:cyan", "black", "gold", "teal"),
         strict=True,
     )
 )

@@ -45,6 +45,7 @@ PLACEMENT_TAGS = {
     "hybrid_star": "hybridnorm-star",
     "admin": "admin",
     "deepscale": "deepscalelm",
+    "pre_skip_first": "pre-ln",
 }
 # Facts about the weights, not about this particular folder: they hold for the converted model as for its source.
 CARRIED_METADATA = ("license", "license_name", "license_link", "language", "datasets", "metrics")
@@ -101,6 +102,13 @@ def architecture_rows(config: EncoderStackConfig, class_name: str) -> list[tuple
         "sinusoidal": "fixed sinusoids (2017 Transformer)",
         "rope": f"rotary, θ = {config.rope_theta:g}",
     }[config.position_embedding_type]
+    if config.position_embedding_type == "rope" and config.rope_parameters is not None:
+        types = sorted(set(config.layer_types or ["full_attention"]))
+        rows = {name: config.rope_parameters[name] for name in types}
+        positions = "rotary, " + "; ".join(
+            f"{name}: θ = {row['rope_theta']:g}" + ("" if row["rope_type"] == "default" else f" ({row['rope_type']})")
+            for name, row in rows.items()
+        )
     return [
         (
             "class",
