@@ -447,3 +447,39 @@ def test_sliding_layers_add_no_host_sync_to_a_padded_masked_lm_training_step():
             model(**inputs, labels=labels).loss.backward()
         counts.append(syncs.count)
     assert counts[0] == counts[1] == 4
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_a_converted_modernbert_matches_modernbertmodel_on_inputs_longer_than_its_window(backend, tmp_path):
+    """local_attention=8 (radius 4), 40 tokens, one row padded: the window is ModernBERT's on every path."""
+    import transformers
+
+    config = transformers.ModernBertConfig(
+        vocab_size=99,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=96,
+        max_position_embeddings=64,
+        global_attn_every_n_layers=3,
+        local_attention=8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        sep_token_id=2,
+        cls_token_id=1,
+    )
+    torch.manual_seed(0)
+    reference = transformers.ModernBertModel(config).eval()
+    reference.save_pretrained(tmp_path)
+    model = EncoderStackModel.from_pretrained(tmp_path).eval()
+    assert model.config.sliding_window == 4 and model.config.layer_types.count("sliding_attention") == 2
+    reference.set_attn_implementation(backend)
+    model.set_attn_implementation(backend)
+    ids = torch.randint(3, 99, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = (torch.arange(40) < torch.tensor([[40], [25]])).long()
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()]
+        for padding_free in (True, False):
+            actual = model(input_ids=ids, attention_mask=mask, padding_free=padding_free).last_hidden_state
+            torch.testing.assert_close(actual[mask.bool()], expected, atol=1e-5, rtol=0)
