@@ -224,6 +224,7 @@ def main():
     parser.add_argument("--radius", type=int, default=64, help="the sliding window's radius (default 64)")
     parser.add_argument("--modern-length", type=int, default=8192, help="tokens of (b) (default 8192)")
     parser.add_argument("--blocks", action="store_true", help="measure banded attention's block size only")
+    parser.add_argument("--parts", default="a,b", help="a: the sliding stack's table, b: ModernBERT (default a,b)")
     args = parser.parse_args()
     iterations = args.iterations or (1 if args.quick else 3)
     common.setup(args)
@@ -234,8 +235,10 @@ def main():
         spec = "stack" if args.models == "stack" else json.loads(args.models)
         sizes = common.parse_sizes(args.sizes)
         lengths = [length for _, length in sizes][: 2 if args.quick else None]
-        memory_table(args, spec, [min(n, 256) for n in lengths] if args.quick else lengths, iterations)
-        modernbert_table(args, 512 if args.quick else args.modern_length, iterations)
+        if "a" in args.parts.split(","):
+            memory_table(args, spec, [min(n, 256) for n in lengths] if args.quick else lengths, iterations)
+        if "b" in args.parts.split(","):
+            modernbert_table(args, 512 if args.quick else args.modern_length, iterations)
     print(f"reproduce: {common.command_line()}")
 
 
