@@ -20,6 +20,7 @@ from encoderstack.modeling_encoderstack import ExecutionPlan, decide_plan
 
 LENGTHS = (5, 23, 1, 17, 30)
 SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
+BACKENDS = ("eager", "sdpa")
 
 
 def windowed(window, layer_types=SLIDING, **overrides):
@@ -483,3 +484,30 @@ def test_a_converted_modernbert_matches_modernbertmodel_on_inputs_longer_than_it
         for padding_free in (True, False):
             actual = model(input_ids=ids, attention_mask=mask, padding_free=padding_free).last_hidden_state
             torch.testing.assert_close(actual[mask.bool()], expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("route", "backend"),
+    [
+        *(
+            (route, backend)
+            for route in ("left-padded, padded batch", "flattened rows, one row")
+            for backend in BACKENDS
+        ),
+        ("flattened rows, one row", "flex_attention"),  # the band and document BlockMask (slow to build on CPU)
+    ],
+)
+def test_the_band_mask_of_recorded_and_compiled_forwards_gives_the_dense_band_masked_softmax(
+    route, backend, monkeypatch
+):
+    """Recording hidden states plans what torch.compile and export get: the backend with the band as a mask (with the
+    document mask on flattened rows; flex attention's is a block-sparse BlockMask)."""
+    model = windowed(7, attn_implementation=backend)
+    seqs = route_sequences(route)
+    inputs, options = ROUTES[route](seqs)
+    plan = model.execution_plan(**inputs, **options, output_hidden_states=True)
+    assert plan.sliding == backend and "band mask" in plan.reason
+    with torch.no_grad():
+        expected = reference_states(model, seqs, monkeypatch)
+        actual = real_rows(model(**inputs, **options, output_hidden_states=True).last_hidden_state, inputs)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
