@@ -451,30 +451,17 @@ def test_sliding_layers_add_no_host_sync_to_a_padded_masked_lm_training_step():
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_a_converted_modernbert_matches_modernbertmodel_on_inputs_longer_than_its_window(backend, tmp_path):
-    """local_attention=8 (radius 4), 40 tokens, one row padded: the window is ModernBERT's on every path."""
+@pytest.mark.parametrize("family", ["modernbert", "ultrabert"])
+def test_a_converted_modern_family_matches_its_class_on_inputs_longer_than_its_window(family, backend, tmp_path):
+    """Radius 4 (ModernBERT: local_attention=8), 40 tokens, one row padded: the window is the family's on every
+    path."""
     import transformers
+    from test_convert_modern import FAMILIES, family_folder
 
-    config = transformers.ModernBertConfig(
-        vocab_size=99,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=96,
-        max_position_embeddings=64,
-        global_attn_every_n_layers=3,
-        local_attention=8,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        sep_token_id=2,
-        cls_token_id=1,
-    )
-    torch.manual_seed(0)
-    reference = transformers.ModernBertModel(config).eval()
-    reference.save_pretrained(tmp_path)
-    model = EncoderStackModel.from_pretrained(tmp_path).eval()
-    assert model.config.sliding_window == 4 and model.config.layer_types.count("sliding_attention") == 2
+    folder = family_folder(tmp_path, family, "Model", radius=4)
+    reference = getattr(transformers, FAMILIES[family][0] + "Model").from_pretrained(folder).eval()
+    model = EncoderStackModel.from_pretrained(folder).eval()
+    assert model.config.sliding_window == 4 and "sliding_attention" in model.config.layer_types
     reference.set_attn_implementation(backend)
     model.set_attn_implementation(backend)
     ids = torch.randint(3, 99, (2, 40), generator=torch.Generator().manual_seed(1))
