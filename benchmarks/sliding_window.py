@@ -55,10 +55,15 @@ def resident_kib(field):
 
 
 def measure_memory(request):
-    """In a fresh process: the peak resident memory (MiB) one forward adds to what the process held before it."""
+    """In a fresh process: the peak resident memory (MiB) one forward adds to what the process held before it.
+    `spec` is the sliding stack's, or {"folder": ..., "class": ...}: a saved model loaded with that class."""
     spec, radius, length, variant, threads = json.loads(request)
     torch.set_num_threads(threads)
-    model = sliding_stack(spec, radius, length)
+    if "folder" in spec:
+        owner = encoderstack if spec["class"].startswith("EncoderStack") else transformers
+        model = common.with_backend(getattr(owner, spec["class"]).from_pretrained(spec["folder"]).eval(), "sdpa")
+    else:
+        model = sliding_stack(spec, radius, length)
     ids = torch.randint(1, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # resets the high-water mark to the current resident size
@@ -151,6 +156,14 @@ def modernbert_pair(length, radius, folder):
 def modernbert_table(args, length, iterations):
     with common.scratch_folder() as folder:
         reference, ours, why = modernbert_pair(length, args.radius, folder)
+        memory = (
+            {
+                name: peak_mib({"folder": folder, "class": name}, args.radius, length, "", torch.get_num_threads())
+                for name in ("ModernBertModel", "EncoderStackModel")
+            }
+            if ours is not None
+            else None
+        )
     if ours is None:
         print(f"(b) ModernBERT-patterned at {length} tokens: not run, no ModernBERT conversion here ({why})")
         return
@@ -184,9 +197,21 @@ def modernbert_table(args, length, iterations):
                 f"{speedup:.2f}",
                 f"{ideal:.2f}",
                 f"{speedup / ideal:.0%}",
+                f"{memory['ModernBertModel']:.0f}",
+                f"{memory['EncoderStackModel']:.0f}",
             ]
         ],
-        ["model", "tokens", "ms ModernBertModel (SDPA)", "ms ours", "speed-up", "FLOP-ideal", "of ideal"],
+        [
+            "model",
+            "tokens",
+            "ms ModernBertModel (SDPA)",
+            "ms ours",
+            "speed-up",
+            "FLOP-ideal",
+            "of ideal",
+            "peak MiB ModernBertModel",
+            "peak MiB ours",
+        ],
     )
 
 
@@ -224,6 +249,7 @@ def main():
     parser.add_argument("--radius", type=int, default=64, help="the sliding window's radius (default 64)")
     parser.add_argument("--modern-length", type=int, default=8192, help="tokens of (b) (default 8192)")
     parser.add_argument("--blocks", action="store_true", help="measure banded attention's block size only")
+    parser.add_argument("--parts", default="a,b", help="a: the sliding stack's table, b: ModernBERT (default a,b)")
     args = parser.parse_args()
     iterations = args.iterations or (1 if args.quick else 3)
     common.setup(args)
@@ -234,8 +260,10 @@ def main():
         spec = "stack" if args.models == "stack" else json.loads(args.models)
         sizes = common.parse_sizes(args.sizes)
         lengths = [length for _, length in sizes][: 2 if args.quick else None]
-        memory_table(args, spec, [min(n, 256) for n in lengths] if args.quick else lengths, iterations)
-        modernbert_table(args, 512 if args.quick else args.modern_length, iterations)
+        if "a" in args.parts.split(","):
+            memory_table(args, spec, [min(n, 256) for n in lengths] if args.quick else lengths, iterations)
+        if "b" in args.parts.split(","):
+            modernbert_table(args, 512 if args.quick else args.modern_length, iterations)
     print(f"reproduce: {common.command_line()}")
 
 

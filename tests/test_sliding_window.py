@@ -20,6 +20,7 @@ from encoderstack.modeling_encoderstack import ExecutionPlan, decide_plan
 
 LENGTHS = (5, 23, 1, 17, 30)
 SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
+BACKENDS = ("eager", "sdpa")
 
 
 def windowed(window, layer_types=SLIDING, **overrides):
@@ -431,3 +432,69 @@ def test_an_exported_sliding_window_model_keeps_parity_with_pytorch_on_inputs_lo
         unwindowed = full(**inputs).last_hidden_state
     real = inputs["attention_mask"].bool()
     assert (unwindowed[real] - torch.as_tensor(exported)[real]).abs().max() > 1e-3
+
+
+def test_sliding_layers_add_no_host_sync_to_a_padded_masked_lm_training_step():
+    from test_execution_plan import HostSyncs
+
+    from encoderstack import EncoderStackForMaskedLM
+
+    inputs, _ = ROUTES["right-padded, padding-free"](route_sequences("right-padded, padding-free"))
+    labels = torch.where(torch.rand(inputs["input_ids"].shape) < 0.3, inputs["input_ids"], -100)
+    counts = []
+    for layer_types, window in ((None, None), (SLIDING, 4)):
+        model = build(EncoderStackForMaskedLM, layer_types=layer_types, sliding_window=window).train()
+        with HostSyncs() as syncs:
+            model(**inputs, labels=labels).loss.backward()
+        counts.append(syncs.count)
+    assert counts[0] == counts[1] == 4
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["modernbert", "ultrabert"])
+def test_a_converted_modern_family_matches_its_class_on_inputs_longer_than_its_window(family, backend, tmp_path):
+    """Radius 4 (ModernBERT: local_attention=8), 40 tokens, one row padded: the window is the family's on every
+    path."""
+    import transformers
+    from test_convert_modern import FAMILIES, family_folder
+
+    folder = family_folder(tmp_path, family, "Model", radius=4)
+    reference = getattr(transformers, FAMILIES[family][0] + "Model").from_pretrained(folder).eval()
+    model = EncoderStackModel.from_pretrained(folder).eval()
+    assert model.config.sliding_window == 4 and "sliding_attention" in model.config.layer_types
+    reference.set_attn_implementation(backend)
+    model.set_attn_implementation(backend)
+    ids = torch.randint(3, 99, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = (torch.arange(40) < torch.tensor([[40], [25]])).long()
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()]
+        for padding_free in (True, False):
+            actual = model(input_ids=ids, attention_mask=mask, padding_free=padding_free).last_hidden_state
+            torch.testing.assert_close(actual[mask.bool()], expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("route", "backend"),
+    [
+        *(
+            (route, backend)
+            for route in ("left-padded, padded batch", "flattened rows, one row")
+            for backend in BACKENDS
+        ),
+        ("flattened rows, one row", "flex_attention"),  # the band and document BlockMask (slow to build on CPU)
+    ],
+)
+def test_the_band_mask_of_recorded_and_compiled_forwards_gives_the_dense_band_masked_softmax(
+    route, backend, monkeypatch
+):
+    """Recording hidden states plans what torch.compile and export get: the backend with the band as a mask (with the
+    document mask on flattened rows; flex attention's is a block-sparse BlockMask)."""
+    model = windowed(7, attn_implementation=backend)
+    seqs = route_sequences(route)
+    inputs, options = ROUTES[route](seqs)
+    plan = model.execution_plan(**inputs, **options, output_hidden_states=True)
+    assert plan.sliding == backend and "band mask" in plan.reason
+    with torch.no_grad():
+        expected = reference_states(model, seqs, monkeypatch)
+        actual = real_rows(model(**inputs, **options, output_hidden_states=True).last_hidden_state, inputs)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)

@@ -257,9 +257,9 @@ class PackedSequences:
         return self.packed_sequence_ids().view(self.shape)
 
     def packed_sequence_ids(self) -> torch.Tensor:
-        """(1, tokens): which sequence each token of the packed row belongs to."""
+        """(1, tokens): which sequence each token of the packed row belongs to (sized by `lengths`: no host sync)."""
         sequences = torch.arange(len(self.lengths), device=self.lengths_tensor.device)
-        return sequences.repeat_interleave(self.lengths_tensor)[None]
+        return sequences.repeat_interleave(self.lengths_tensor, output_size=sum(self.lengths))[None]
 
     def position_ids(self) -> torch.Tensor:
         """(batch, seq) of flattened rows: each token's position within its own sequence."""
@@ -827,16 +827,15 @@ class EncoderStackLayer(GradientCheckpointingLayer):
     def __init__(self, config: EncoderStackConfig, layer_idx: int):
         super().__init__()
         attention = PLACEMENTS[config.norm_placement].at(config, layer_idx, "attention")
-        self.layer_type = (config.layer_types or ["full_attention"] * config.num_hidden_layers)[layer_idx]
+        self.layer_type = layer_type_of(config, layer_idx)
         self.attention = EncoderStackAttention(config, qkv_norm=attention.qkv_norm, layer_type=self.layer_type)
         self.attention_residual = Residual(config, layer_idx, "attention")
         self.mlp = EncoderStackMLP(config)
         self.mlp_residual = Residual(config, layer_idx, "mlp")
-        self.attention_type = layer_type_of(config, layer_idx)
 
     def forward(self, hidden_states, dual, attention_mask, rotary=None, **kwargs):
         """`rotary`: {layer type: (cos, sin)}, of which this layer takes its type's."""
-        rotary = rotary[self.attention_type] if rotary is not None else None
+        rotary = rotary[self.layer_type] if rotary is not None else None
 
         def attend(hidden_states):
             return self.attention(hidden_states, attention_mask, rotary, **kwargs)[0]
