@@ -1,5 +1,5 @@
-"""The BERT family's inference: EncoderStack padding-free against each family's own transformers class (SDPA) on the
-same weights and batch, as ratios in one run, on full, uniform and real-text lengths.
+"""The BERT family's and the modern encoders' inference: EncoderStack padding-free against each family's own
+transformers class (SDPA) on the same weights and batch, as ratios in one run, on full, uniform and text lengths.
 
     python benchmarks/families.py                  # minilm-sized random models, 32x128 (about 10 minutes on CPU)
     python benchmarks/families.py --quick          # 3 rounds
@@ -17,7 +17,14 @@ FAMILIES = {  # model_type -> its transformers class
     "xlm-roberta-xl": "XLMRobertaXLModel",
     "electra": "ElectraModel",
     "distilbert": "DistilBertModel",
+    "modernbert": "ModernBertModel",
+    "gte": "GteModel",
+    "nomic_bert": "NomicBertModel",
+    "jina_embeddings_v3": "JinaEmbeddingsV3Model",
+    "eurobert": "EuroBertModel",
+    "ultrabert": "UltrabertModel",
 }
+MODERN = ("modernbert", "gte", "nomic_bert", "jina_embeddings_v3", "eurobert", "ultrabert")
 MINILM = {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12, "intermediate_size": 1536}
 
 
@@ -25,6 +32,9 @@ def family_pair(family, spec, max_length, folder):
     """A random model of the family's class and EncoderStack's conversion of it (on the fly), both SDPA, eval."""
     fields = {"vocab_size": 30522, **(MINILM if spec == "minilm" else spec)}
     fields["max_position_embeddings"] = max(fields.get("max_position_embeddings", 0), max_length + 2)
+    if family in MODERN:  # their default special ids lie beyond a BERT vocabulary: the tokenizer's instead
+        fields |= {"pad_token_id": 0, "bos_token_id": 101, "eos_token_id": 102, "cls_token_id": 101}
+        fields |= {"sep_token_id": 102}
     config = transformers.AutoConfig.for_model(
         family, **fields, hidden_dim=fields["intermediate_size"], embedding_size=fields["hidden_size"] // 2
     )

@@ -72,7 +72,7 @@ def test_pretraining_with_max_length_8192_trains_on_rows_of_8192_tokens(modernbe
         (tmp_path / f"{name}.txt").write_text(TEXT + "\n\n" + TEXT[::-1] + "\n")
     argv = ["pretrain", "--model", str(modernbert), "--train", str(tmp_path / "train.txt")]
     argv += ["--eval", str(tmp_path / "eval.txt"), "--output", str(tmp_path / "out"), "--max-length", str(LONG)]
-    assert main([*argv, "--batch-size", "1", "--max-steps", "2", "--lr", "1e-3"]) == 0
+    assert main([*argv, "--batch-size", "1", "--epochs", "1", "--lr", "1e-3"]) == 0
     record = json.loads((tmp_path / "out" / "pretrain.json").read_text())
     assert all(torch.isfinite(torch.tensor(record[f"eval_loss_{when}"])) for when in ("before", "after"))
-    assert LONG in sliding_rows  # documents are cut into rows of 8192 tokens; each document's tail is shorter
+    assert LONG in sliding_rows  # each document's first 8192 tokens are one row (its tail a shorter one)

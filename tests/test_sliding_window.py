@@ -23,6 +23,13 @@ SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
 BACKENDS = ("eager", "sdpa")
 
 
+@pytest.fixture(autouse=True)
+def banded_at_these_lengths(monkeypatch):
+    """The sequences here are a few radii long, where the plan would take a dense band mask (test_dense_band.py):
+    every test in this file runs the banded path."""
+    monkeypatch.setattr(modeling_encoderstack, "DENSE_BAND_RADII", 0)
+
+
 def windowed(window, layer_types=SLIDING, **overrides):
     return build(
         EncoderStackModel,

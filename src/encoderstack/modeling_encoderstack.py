@@ -431,6 +431,11 @@ def decide_plan(facts: PlanFacts) -> ExecutionPlan:
     return dataclasses.replace(plan, sliding=sliding, reason=f"{plan.reason}; sliding layers: {why}")
 
 
+# Up to this many radii, a dense band mask beats banded attention: at radius 64 the dense mask was 1.19x faster on 512
+# tokens (8 radii) and banded 1.41x faster on 1024 (docs/benchmarks/sliding-window-memory-1thread.txt).
+DENSE_BAND_RADII = 8
+
+
 def sliding_attention(facts: PlanFacts, plan: ExecutionPlan) -> tuple[str | None, str]:
     """How the sliding layers run on `plan`: a flash kernel's own window where one runs; a dense band mask where the
     forward is compiled or records attention maps (both run padded, and the maps are tokens x tokens anyway); flex
@@ -447,6 +452,11 @@ def sliding_attention(facts: PlanFacts, plan: ExecutionPlan) -> tuple[str | None
         return plan.attention, f"flash's window ({radius}, {radius})"
     if facts.compiling or facts.recording:
         return plan.attention, "a dense (tokens x tokens) band mask"
+    if facts.longest <= DENSE_BAND_RADII * radius and facts.backend != "flex_attention":
+        if plan.attention == PER_SEQUENCE:
+            return PER_SEQUENCE, f"sequences of at most {DENSE_BAND_RADII} radii: one at a time with a band mask"
+        if not plan.packed:
+            return plan.attention, f"rows of at most {DENSE_BAND_RADII} radii: a dense band mask"
     if facts.backend == "flex_attention" and facts.device_type == "cuda" and not plan.packed:
         return "flex_attention", "a block-sparse band mask"
     where = "the packed row" if plan.packed else "the rows"
@@ -535,17 +545,33 @@ def packing_from_cu_seq_lens(cu_seq_lens, kwargs, shape, device) -> PackedSequen
     return PackedSequences(lengths, shape, device)
 
 
-def per_sequence_attention(module, query, key, value, attention_mask, sequence_lengths=None, **kwargs):
-    """The configured backend run on each packed sequence alone, without a mask: the CPU path, where it measured
-    fastest (1.4-1.7x over one masked call on a re-padded view), and flattened rows where no varlen kernel runs."""
+def per_sequence_attention(
+    module, query, key, value, attention_mask, sequence_lengths=None, sliding_window=None, **kwargs
+):
+    """The configured backend run on each packed sequence alone, without a mask (a band mask in a sliding layer, for
+    sequences longer than the window): the CPU path, where it measured fastest (1.4-1.7x over one masked call on a
+    re-padded view), and flattened rows where no varlen kernel runs."""
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_attention_forward)
     if sequence_lengths is None:  # called from outside this model: one host sync
         sequence_lengths = kwargs["cu_seq_lens_q"].diff().tolist()
     for name in VARLEN_KWARGS:
         kwargs.pop(name, None)
+    bands = {}
+    if sliding_window is not None:  # transformers' kwarg: the radius + 1
+        lengths = {length for length in sequence_lengths if length > sliding_window}
+        bands = {length: band_mask(length, sliding_window - 1, query) for length in lengths}
     pieces = zip(*(x.split(sequence_lengths, dim=2) for x in (query, key, value)))
-    contexts = [attention(module, q, k, v, None, **kwargs)[0] for q, k, v in pieces if q.shape[2]]
+    contexts = [attention(module, q, k, v, bands.get(q.shape[2]), **kwargs)[0] for q, k, v in pieces if q.shape[2]]
     return torch.cat(contexts, dim=1), None
+
+
+def band_mask(length: int, radius: int, like: torch.Tensor) -> torch.Tensor:
+    """(1, 1, length, length), additive: 0 where |i - j| <= radius, the dtype's most negative value elsewhere."""
+    positions = torch.arange(length, device=like.device)
+    outside = (positions[:, None] - positions[None, :]).abs() > radius
+    return torch.zeros(length, length, dtype=like.dtype, device=like.device).masked_fill(
+        outside, torch.finfo(like.dtype).min
+    )[None, None]
 
 
 def varlen_attention(
