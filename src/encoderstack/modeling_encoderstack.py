@@ -302,7 +302,7 @@ def pool_tokens(encoded: "Encoded", tokens: torch.Tensor, pooling: str) -> torch
     if packing is not None and packing.flattened:
         tokens, real = packing.by_sequence(packing.pack(tokens))
     else:
-        real = encoded.real if encoded.real is not None else torch.ones(tokens.shape[:2], dtype=torch.bool)
+        real = encoded.real if encoded.real is not None else tokens.new_ones(tokens.shape[:2], dtype=torch.bool)
     real = real.to(device=tokens.device, dtype=tokens.dtype).unsqueeze(-1)
     return (tokens * real).sum(1) / real.sum(1)
 
