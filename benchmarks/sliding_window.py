@@ -5,6 +5,7 @@ ratios in one run.
     python benchmarks/sliding_window.py --threads 1              # (a) 512 ... 16384 tokens, radius 64; (b) at 8192
     python benchmarks/sliding_window.py --quick                  # small lengths, one round
     python benchmarks/sliding_window.py --blocks --threads 1     # the block size of banded attention, measured
+    python benchmarks/sliding_window.py --parts c --threads 1    # (c) 16384 and 32768 tokens, with limits
 
 Peak memory is the process's resident high-water mark over one forward, each cell in a fresh process (the allocator
 keeps what an earlier cell freed), above what it held before the forward; time is interleaved in this process.
@@ -13,8 +14,10 @@ keeps what an earlier cell freed), above what it held before the forward; time i
 import contextlib
 import json
 import os
+import resource
 import subprocess
 import sys
+import time
 
 import common
 import torch
@@ -24,6 +27,8 @@ from encoderstack import modeling_encoderstack
 
 STACK = {"hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 1024}
 MODERN = {"hidden_size": 256, "num_hidden_layers": 9, "num_attention_heads": 4, "intermediate_size": 384}
+CLASSES = ("ModernBertModel", "EncoderStackModel")
+OUT_OF_MEMORY = ("can't allocate memory", "MemoryError", "std::bad_alloc")  # torch's CPU allocator, Python, C++
 
 
 @contextlib.contextmanager
@@ -215,6 +220,111 @@ def modernbert_table(args, length, iterations):
     )
 
 
+def measure_long(request):
+    """In a fresh process under an address-space limit: one forward of a saved model, its seconds and the peak
+    resident memory it added; its last hidden state is saved beside the model for the parent to compare."""
+    folder, name, length, threads = json.loads(request)
+    torch.set_num_threads(threads)
+    owner = encoderstack if name.startswith("EncoderStack") else transformers
+    model = common.with_backend(getattr(owner, name).from_pretrained(folder).eval(), "sdpa")
+    ids = torch.randint(1, 30000, (1, length), generator=torch.Generator().manual_seed(0))
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    before = resident_kib("VmRSS")
+    start = time.perf_counter()
+    with torch.inference_mode():
+        hidden = model(input_ids=ids).last_hidden_state
+    seconds = time.perf_counter() - start
+    torch.save(hidden, os.path.join(folder, f"{name}-{length}.pt"))
+    print(json.dumps({"seconds": seconds, "peak": (resident_kib("VmHWM") - before) / 1024}))
+
+
+def long_run(folder, name, length, limit_gib, limit_s):
+    """One forward in a child process limited to `limit_gib` of address space and `limit_s` seconds: its result,
+    or why it did not finish (out of memory or out of time)."""
+    request = json.dumps([folder, name, length, torch.get_num_threads()])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    limit = limit_gib * 2**30
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    try:
+        result = subprocess.run(
+            [sys.executable, __file__, "--measure-long", request],
+            capture_output=True,
+            text=True,
+            env=env,
+            preexec_fn=cap,
+            timeout=limit_s,
+        )
+    except subprocess.TimeoutExpired:
+        return f"out of time (over {limit_s} s)"
+    if result.returncode == 0:
+        return json.loads(result.stdout.strip().splitlines()[-1])
+    if result.returncode == -9 or any(word in result.stderr for word in OUT_OF_MEMORY):
+        return f"out of memory (over {limit_gib} GiB)"
+    raise RuntimeError(f"{name} at {length} tokens failed:\n{result.stderr[-2000:]}")
+
+
+def long_table(args, lengths):
+    """(c) ModernBertModel and its conversion at long lengths, one forward each in a limited child process."""
+    rows = []
+    with common.scratch_folder() as folder:
+        config = transformers.ModernBertConfig(
+            **MODERN,
+            max_position_embeddings=max(lengths),
+            global_attn_every_n_layers=3,
+            local_attention=2 * args.radius,
+        )
+        torch.manual_seed(0)
+        transformers.ModernBertModel(config).save_pretrained(folder)
+        for length in lengths:
+            runs = {name: long_run(folder, name, length, args.limit_gib, args.limit_s) for name in CLASSES}
+            both = all(isinstance(run, dict) for run in runs.values())
+            difference = (
+                (
+                    torch.load(f"{folder}/EncoderStackModel-{length}.pt")
+                    - torch.load(f"{folder}/ModernBertModel-{length}.pt")
+                )
+                .abs()
+                .max()
+                .item()
+                if both
+                else None
+            )
+            cells = [
+                [f"{run['seconds']:.1f}", f"{run['peak']:.0f}"] if isinstance(run, dict) else [run, "-"]
+                for run in runs.values()
+            ]
+            rows.append(
+                [
+                    "modernbert-patterned",
+                    length,
+                    *cells[0],
+                    *cells[1],
+                    f"{runs[CLASSES[0]]['seconds'] / runs[CLASSES[1]]['seconds']:.2f}" if both else "-",
+                    f"{difference:.2e}" if both else "-",
+                ]
+            )
+    layers = MODERN["num_hidden_layers"]
+    print(f"(c) ModernBERT-patterned, {layers} layers (global every 3rd, radius {args.radius}), batch 1, one forward")
+    print(f"each in a fresh process limited to {args.limit_gib} GiB of address space and {args.limit_s} s")
+    common.print_table(
+        rows,
+        [
+            "model",
+            "tokens",
+            "s ModernBertModel (SDPA)",
+            "peak MiB ModernBertModel",
+            "s ours",
+            "peak MiB ours",
+            "speed-up",
+            "max |ours - reference|",
+        ],
+    )
+
+
 def block_table(args, iterations):
     """banded_attention alone at 4096 tokens, 4 heads of 64, for several radii and block sizes."""
     rows = []
@@ -224,9 +334,10 @@ def block_table(args, iterations):
         variants = {}
         for block in (16, 32, 64, 128, 256, 512):
 
-            def call(block=block):
+            def call(block=block):  # one sliding layer's attention, with the band's layout it reads
                 modeling_encoderstack.band_block = lambda radius: block
-                modeling_encoderstack.banded_attention(module, q, k, v, None, 0.125, sliding_window=radius + 1)
+                layout = modeling_encoderstack.band_layout(radius, q.shape[2], None, q.device)
+                modeling_encoderstack.banded_attention(module, q, k, v, layout, 0.125, sliding_window=radius + 1)
 
             variants[block] = call
         original = modeling_encoderstack.band_block
@@ -243,13 +354,20 @@ def block_table(args, iterations):
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--measure-memory":
         return measure_memory(sys.argv[2])
+    if len(sys.argv) == 3 and sys.argv[1] == "--measure-long":
+        return measure_long(sys.argv[2])
     parser = common.common_arguments(
         __doc__.splitlines()[0], sizes="1x512,1x1024,1x2048,1x4096,1x8192,1x16384", models="stack"
     )
     parser.add_argument("--radius", type=int, default=64, help="the sliding window's radius (default 64)")
     parser.add_argument("--modern-length", type=int, default=8192, help="tokens of (b) (default 8192)")
     parser.add_argument("--blocks", action="store_true", help="measure banded attention's block size only")
-    parser.add_argument("--parts", default="a,b", help="a: the sliding stack's table, b: ModernBERT (default a,b)")
+    parser.add_argument(
+        "--parts", default="a,b", help="a: the sliding stack's table, b: ModernBERT, c: ModernBERT long (default a,b)"
+    )
+    parser.add_argument("--long-lengths", default="16384,32768", help="tokens of (c) (default 16384,32768)")
+    parser.add_argument("--limit-gib", type=int, default=16, help="(c): address space per forward (default 16)")
+    parser.add_argument("--limit-s", type=int, default=1800, help="(c): seconds per forward (default 1800)")
     args = parser.parse_args()
     iterations = args.iterations or (1 if args.quick else 3)
     common.setup(args)
@@ -264,6 +382,8 @@ def main():
             memory_table(args, spec, [min(n, 256) for n in lengths] if args.quick else lengths, iterations)
         if "b" in args.parts.split(","):
             modernbert_table(args, 512 if args.quick else args.modern_length, iterations)
+        if "c" in args.parts.split(","):
+            long_table(args, [int(n) for n in args.long_lengths.split(",")])
     print(f"reproduce: {common.command_line()}")
 
 

@@ -548,21 +548,31 @@ def packing_from_cu_seq_lens(cu_seq_lens, kwargs, shape, device) -> PackedSequen
 def per_sequence_attention(
     module, query, key, value, attention_mask, sequence_lengths=None, sliding_window=None, **kwargs
 ):
-    """The configured backend run on each packed sequence alone, without a mask (a band mask in a sliding layer, for
-    sequences longer than the window): the CPU path, where it measured fastest (1.4-1.7x over one masked call on a
-    re-padded view), and flattened rows where no varlen kernel runs."""
+    """The configured backend run on each packed sequence alone, without a mask: the CPU path, where it measured
+    fastest (1.4-1.7x over one masked call on a re-padded view), and flattened rows where no varlen kernel runs. In a
+    sliding layer `attention_mask` holds one band mask per sequence (`band_masks`, built once per forward; None
+    where the window covers the sequence); a caller from outside this model passes only `sliding_window`."""
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_attention_forward)
     if sequence_lengths is None:  # called from outside this model: one host sync
         sequence_lengths = kwargs["cu_seq_lens_q"].diff().tolist()
     for name in VARLEN_KWARGS:
         kwargs.pop(name, None)
-    bands = {}
-    if sliding_window is not None:  # transformers' kwarg: the radius + 1
-        lengths = {length for length in sequence_lengths if length > sliding_window}
-        bands = {length: band_mask(length, sliding_window - 1, query) for length in lengths}
+    bands = attention_mask
+    if bands is None:
+        radius = None if sliding_window is None else sliding_window - 1  # transformers' kwarg: the radius + 1
+        bands = band_masks(sequence_lengths, radius, query)
     pieces = zip(*(x.split(sequence_lengths, dim=2) for x in (query, key, value)))
-    contexts = [attention(module, q, k, v, bands.get(q.shape[2]), **kwargs)[0] for q, k, v in pieces if q.shape[2]]
+    contexts = [attention(module, q, k, v, band, **kwargs)[0] for (q, k, v), band in zip(pieces, bands) if q.shape[2]]
     return torch.cat(contexts, dim=1), None
+
+
+def band_masks(lengths: list[int], radius: int | None, like: torch.Tensor) -> list[torch.Tensor | None]:
+    """One additive (1, 1, length, length) band mask per sequence, |i - j| <= radius (one tensor per distinct length);
+    None for a sequence the window covers, and for every sequence without a radius."""
+    if radius is None:
+        return [None] * len(lengths)
+    bands = {length: band_mask(length, radius, like) for length in set(lengths) if length > radius + 1}
+    return [bands.get(length) for length in lengths]
 
 
 def band_mask(length: int, radius: int, like: torch.Tensor) -> torch.Tensor:
@@ -613,37 +623,47 @@ def band_block(radius: int) -> int:
     return min(max(32, 1 << (radius - 1).bit_length()), 128)
 
 
+def band_blocks(radius: int, length: int) -> tuple[int, int, int, int]:
+    """How `banded_attention` cuts a row of `length`: queries per block, blocks, keys per block (the block and the
+    radius on each side) and the padding that completes the last block."""
+    block = band_block(radius)
+    blocks = -(-length // block)
+    return block, blocks, block + 2 * radius, blocks * block - length
+
+
+def band_layout(radius: int, length: int, sequence_ids: torch.Tensor | None, device) -> torch.Tensor:
+    """Which of its keys each query of `banded_attention` sees, built once per forward: (batch or 1, 1, blocks,
+    block, span), True within the band |i - j| <= radius, inside the row and, given `sequence_ids` ((batch, seq),
+    padding -1), in the query's own sequence. Padded rows, packed real tokens and flattened rows all use it, with
+    distances along the row equal to distances within a sequence."""
+    block, blocks, span, tail = band_blocks(radius, length)
+    starts = torch.arange(blocks, device=device)[:, None, None] * block
+    query_at = starts + torch.arange(block, device=device)[:, None]  # (blocks, block, 1)
+    key_at = starts - radius + torch.arange(span, device=device)  # (blocks, 1, span)
+    allowed = ((query_at - key_at).abs() <= radius) & (key_at >= 0) & (key_at < length)
+    if sequence_ids is None:
+        return allowed[None, None]
+    ids = sequence_ids.to(device)
+    query_ids = nn.functional.pad(ids, (0, tail), value=-2).unflatten(1, (blocks, block))
+    key_ids = nn.functional.pad(ids, (radius, radius + tail), value=-3).unfold(1, span, block)
+    return (allowed & (query_ids[..., None] == key_ids[:, :, None, :])).unsqueeze(1)
+
+
 def banded_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **_):
     """Sliding-window attention that costs O(tokens x window): the queries in blocks, each block against the keys
-    within the radius of its first and last query (one batched matmul over all blocks, no loop), masked to the band
-    |i - j| <= radius and to the query's own sequence. No tokens x tokens tensor exists.
-
-    `sliding_window` is transformers' kwarg (the radius + 1, as flash reads it). `attention_mask` is not a mask but
-    each token's sequence id, (batch, seq) (padding: -1), or None when every row is one sequence: padded rows,
-    packed real tokens and flattened rows all run here, with distances along the row equal to distances within a
-    sequence."""
+    within the radius of its first and last query (one batched matmul over all blocks, no loop), masked by
+    `attention_mask`, the `band_layout` of this radius and row. No tokens x tokens tensor exists.
+    `sliding_window` is transformers' kwarg (the radius + 1, as flash reads it)."""
     radius, length = sliding_window - 1, query.shape[2]
-    block = band_block(radius)
-    blocks, span = -(-length // block), block + 2 * radius
-    tail = blocks * block - length
+    block, blocks, span, tail = band_blocks(radius, length)
 
     def key_windows(x):  # (batch, heads, seq, dim) -> (batch, heads, blocks, span, dim): each block's keys, a view
         return nn.functional.pad(x, (0, 0, radius, radius + tail)).unfold(2, span, block).transpose(-1, -2)
 
     queries = nn.functional.pad(query, (0, 0, 0, tail)).unflatten(2, (blocks, block))
     scores = torch.matmul(queries, key_windows(key).transpose(-1, -2)) * scaling  # (batch, heads, blocks, block, span)
-    starts = torch.arange(blocks, device=query.device)[:, None, None] * block
-    query_at = starts + torch.arange(block, device=query.device)[:, None]  # (blocks, block, 1)
-    key_at = starts - radius + torch.arange(span, device=query.device)  # (blocks, 1, span)
-    allowed = ((query_at - key_at).abs() <= radius) & (key_at >= 0) & (key_at < length)
-    if attention_mask is not None:
-        ids = attention_mask.to(query.device)
-        query_ids = nn.functional.pad(ids, (0, tail), value=-2).unflatten(1, (blocks, block))
-        key_ids = nn.functional.pad(ids, (radius, radius + tail), value=-3).unfold(1, span, block)
-        allowed = allowed & (query_ids[..., None] == key_ids[:, :, None, :])  # (batch, blocks, block, span)
-        allowed = allowed.unsqueeze(1)
     # the most negative finite score, not -inf: a row with nothing allowed (padding past the end) stays finite
-    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     weights = nn.functional.softmax(scores, dim=-1)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     context = torch.matmul(weights, key_windows(value)).flatten(2, 3)[:, :, :length]
@@ -1123,8 +1143,8 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
     def attention_masks(self, plan: ExecutionPlan, hidden_states, attention_mask) -> dict:
         """Each layer type's mask, built once and only for the types that run (as transformers' ModernBERT keeps them):
         none on packed rows (attention reads `cu_seq_lens`), the padding (and block-diagonal) mask of full layers,
-        and for sliding layers what their attention function reads: each token's sequence id for
-        `banded_attention`, else the band as a mask (dense, or flex attention's block-sparse one)."""
+        and for sliding layers what their attention function reads: `banded_attention`'s layout of the band, one band
+        mask per sequence on the per-sequence path, else the band as a mask (dense, or flex's block-sparse one)."""
         packing, layer_types = plan.packing, {plan.runs_as(layer.layer_type) for layer in self.layers}
         masks = dict.fromkeys(layer_types)
         sequences = None
@@ -1136,12 +1156,16 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
             )
         if "sliding_attention" not in layer_types:
             return masks
+        radius = plan.facts.sliding_window
         if plan.sliding == BANDED_ATTENTION:
+            ids = None
             if packing is not None:
                 ids = packing.packed_sequence_ids() if plan.packed else packing.sequence_ids()
-                masks["sliding_attention"] = ids
             elif attention_mask is not None:
-                masks["sliding_attention"] = attention_mask.long() - 1  # one sequence a row; padding -1
+                ids = attention_mask.long() - 1  # one sequence a row; padding -1
+            masks["sliding_attention"] = band_layout(radius, hidden_states.shape[1], ids, hidden_states.device)
+        elif plan.sliding == PER_SEQUENCE:
+            masks["sliding_attention"] = band_masks(packing.lengths, radius, hidden_states)
         elif not plan.packed:
             masks["sliding_attention"] = create_bidirectional_sliding_window_mask(
                 self.config, hidden_states, attention_mask, and_mask_function=sequences
