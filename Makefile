@@ -18,8 +18,9 @@ demo: $(BIN)/.installed
 	$(BIN)/encoderstack convert --force
 	$(BIN)/encoderstack finetune --force
 
+# One worker per core (pytest-xdist), each test file on one worker: module fixtures are built once.
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadfile
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

