@@ -112,6 +112,29 @@ def test_the_converted_folder_records_the_rotary_base_and_every_source_tensor(co
     assert ours.model.rotary.full_attention_inv_freq[1].item() == pytest.approx(FAMILIES[family][2] ** (-2 / 8))
 
 
+@pytest.mark.parametrize("suffix", ["ForMaskedLM", "ForSequenceClassification"])
+def test_a_gte_head_checkpoint_with_the_remote_code_prefix_new_converts_to_the_same_tensors(
+    converted, suffix, tmp_path
+):
+    """The original GTE release keeps its heads' encoder under `new.` (transformers' port renames it on load)."""
+    _, _, folder = converted("gte", suffix)
+    original = tmp_path / "original"
+    original.mkdir()
+    for path in (folder.parent / "source").iterdir():
+        if path.suffix == ".safetensors":
+            renamed = {
+                f"new.{k.removeprefix('gte.')}" if k.startswith("gte.") else k: v for k, v in load_file(path).items()
+            }
+            assert any(key.startswith("new.") for key in renamed)
+            save_file(renamed, original / path.name, metadata={"format": "pt"})
+        else:
+            (original / path.name).write_bytes(path.read_bytes())
+    expected = load_file(folder / "model.safetensors")
+    actual = load_file(encoderstack.convert(original, tmp_path / "out") / "model.safetensors")
+    assert actual.keys() == expected.keys()
+    assert all(torch.equal(actual[key], tensor) for key, tensor in expected.items())
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_flattened_rows_give_each_sequence_what_the_familys_class_gives_it_alone(converted, family):
     reference, ours, _ = converted(family, "Model")

@@ -211,6 +211,7 @@ class Family:
     tasks: tuple = BERT_TASKS  # the tasks it has
     skipped: dict = field(default_factory=lambda: dict(SKIPPED_KEYS))
     architecture_names: dict = field(default_factory=dict)  # task name -> class name, where not prefix + suffix
+    original_prefixes: tuple = ()  # the encoder's prefix in the release transformers ports, where it differs
 
     def architecture(self, task: "Task") -> str:
         return self.architecture_names.get(task.name, self.architecture_prefix + task.bert_suffix)
@@ -227,7 +228,8 @@ class Family:
 
     def local_name(self, name: str) -> str:
         """A source key without the family's encoder prefix (BERT's is removed when the source is read)."""
-        return name.removeprefix(self.key_prefix)
+        prefix = next((p for p in (self.key_prefix, *self.original_prefixes) if name.startswith(p)), "")
+        return name.removeprefix(prefix)
 
 
 def roberta_family(prefix: str, key_prefix: str = "roberta.", fields=roberta_fields, extra=()) -> Family:
@@ -422,6 +424,8 @@ FAMILIES |= {
             )
         },
         ROTARY_TASKS,
+        # the remote-code release's heads keep the encoder under `new.` (transformers' port renames it on load)
+        original_prefixes=("new.",),
     ),
     "nomic_bert": Family(
         "NomicBert",
@@ -754,7 +758,7 @@ REFUSED_FAMILIES = {
     "deberta-v2": "DeBERTa's disentangled attention adds content-to-position terms inside attention",
     "mpnet": "MPNet adds a learned relative position bias inside attention",
     "funnel": "Funnel-Transformer pools the sequence between blocks",
-    "longformer": "Longformer's sliding-window and global attention need their own attention masks",
+    "longformer": "Longformer's global tokens attend through their own query, key and value projections",
     "big_bird": "BigBird's block-sparse attention is not BERT's dense attention",
 }
 
