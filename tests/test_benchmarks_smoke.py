@@ -34,7 +34,18 @@ RUNS = {
     "deployment.py": [*ONE_ROUND, "--sizes", "2x16"],
     "sparse_mlm.py": [*ONE_ROUND, "--sizes", "2x16"],
     "families.py": [*ONE_ROUND, "--sizes", "2x16", "--families", "roberta,electra,distilbert,modernbert"],
-    "sliding_window.py": [*ONE_ROUND, "--quick", "--sizes", "1x64,1x128", "--radius", "4"],
+    "sliding_window.py": [
+        *ONE_ROUND,
+        "--quick",
+        "--sizes",
+        "1x64",
+        "--radius",
+        "4",
+        "--parts",
+        "a,b,c",
+        "--long-lengths",
+        "96",
+    ],
     # real text: the tokenizer's ids need the real vocabulary
     "pretrain.py": [
         "--models",
