@@ -59,32 +59,58 @@ def resident_kib(field):
         return next(int(line.split()[1]) for line in status if line.startswith(field))
 
 
+def saved_model(folder, name):
+    """A saved model loaded with the class `name` (EncoderStack's or transformers'), SDPA, eval mode."""
+    owner = encoderstack if name.startswith("EncoderStack") else transformers
+    return common.with_backend(getattr(owner, name).from_pretrained(folder).eval(), "sdpa")
+
+
+def measured_forward(model, length, variant=""):
+    """One forward on `length` random tokens: its last hidden state, seconds, and the peak resident memory (MiB) it
+    added to what the process held before it."""
+    ids = torch.randint(1, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # resets the high-water mark to the current resident size
+    before = resident_kib("VmRSS")
+    start = time.perf_counter()
+    with torch.inference_mode(), dense_band() if variant == "dense" else contextlib.nullcontext():
+        hidden = model(input_ids=ids).last_hidden_state
+    seconds = time.perf_counter() - start
+    return hidden, seconds, (resident_kib("VmHWM") - before) / 1024
+
+
 def measure_memory(request):
     """In a fresh process: the peak resident memory (MiB) one forward adds to what the process held before it.
     `spec` is the sliding stack's, or {"folder": ..., "class": ...}: a saved model loaded with that class."""
     spec, radius, length, variant, threads = json.loads(request)
     torch.set_num_threads(threads)
-    if "folder" in spec:
-        owner = encoderstack if spec["class"].startswith("EncoderStack") else transformers
-        model = common.with_backend(getattr(owner, spec["class"]).from_pretrained(spec["folder"]).eval(), "sdpa")
-    else:
-        model = sliding_stack(spec, radius, length)
-    ids = torch.randint(1, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # resets the high-water mark to the current resident size
-    before = resident_kib("VmRSS")
-    with torch.inference_mode(), dense_band() if variant == "dense" else contextlib.nullcontext():
-        model(input_ids=ids)
-    print(json.dumps((resident_kib("VmHWM") - before) / 1024))
+    model = saved_model(spec["folder"], spec["class"]) if "folder" in spec else sliding_stack(spec, radius, length)
+    print(json.dumps(measured_forward(model, length, variant)[2]))
+
+
+def measure_long(request):
+    """In a fresh process under an address-space limit: one forward of a saved model, its seconds and peak memory;
+    its last hidden state is saved beside the model for the parent to compare."""
+    folder, name, length, threads = json.loads(request)
+    torch.set_num_threads(threads)
+    hidden, seconds, peak = measured_forward(saved_model(folder, name), length)
+    torch.save(hidden, os.path.join(folder, f"{name}-{length}.pt"))
+    print(json.dumps({"seconds": seconds, "peak": peak}))
+
+
+def in_child(flag, request, **options) -> subprocess.CompletedProcess:
+    """This script run again in a fresh process, on `--measure-memory` or `--measure-long` with `request`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, __file__, flag, json.dumps(request)]
+    return subprocess.run(command, capture_output=True, text=True, env=env, **options)
+
+
+def printed(result: subprocess.CompletedProcess):
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def peak_mib(spec, radius, length, variant, threads):
-    request = json.dumps([spec, radius, length, variant, threads])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run(
-        [sys.executable, __file__, "--measure-memory", request], capture_output=True, text=True, env=env, check=True
-    )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return printed(in_child("--measure-memory", [spec, radius, length, variant, threads], check=True))
 
 
 def timed_pair(model, length, iterations, device):
@@ -139,17 +165,18 @@ def memory_table(args, spec, lengths, iterations):
     )
 
 
+def modernbert_config(length, radius):
+    """ModernBERT's pattern: global attention every 3rd layer, the others sliding (local_attention = 2 radius)."""
+    return transformers.ModernBertConfig(
+        **MODERN, max_position_embeddings=length, global_attn_every_n_layers=3, local_attention=2 * radius
+    )
+
+
 def modernbert_pair(length, radius, folder):
     """transformers' ModernBertModel (global attention every 3rd layer, local_attention = 2 radius) and EncoderStack's
     conversion of it, same weights; None where this EncoderStack cannot convert ModernBERT (yet)."""
-    config = transformers.ModernBertConfig(
-        **MODERN,
-        max_position_embeddings=length,
-        global_attn_every_n_layers=3,
-        local_attention=2 * radius,
-    )
     torch.manual_seed(0)
-    reference = transformers.ModernBertModel(config)
+    reference = transformers.ModernBertModel(modernbert_config(length, radius))
     reference.save_pretrained(folder)
     try:
         ours = encoderstack.EncoderStackModel.from_pretrained(folder)
@@ -220,48 +247,18 @@ def modernbert_table(args, length, iterations):
     )
 
 
-def measure_long(request):
-    """In a fresh process under an address-space limit: one forward of a saved model, its seconds and the peak
-    resident memory it added; its last hidden state is saved beside the model for the parent to compare."""
-    folder, name, length, threads = json.loads(request)
-    torch.set_num_threads(threads)
-    owner = encoderstack if name.startswith("EncoderStack") else transformers
-    model = common.with_backend(getattr(owner, name).from_pretrained(folder).eval(), "sdpa")
-    ids = torch.randint(1, 30000, (1, length), generator=torch.Generator().manual_seed(0))
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")
-    before = resident_kib("VmRSS")
-    start = time.perf_counter()
-    with torch.inference_mode():
-        hidden = model(input_ids=ids).last_hidden_state
-    seconds = time.perf_counter() - start
-    torch.save(hidden, os.path.join(folder, f"{name}-{length}.pt"))
-    print(json.dumps({"seconds": seconds, "peak": (resident_kib("VmHWM") - before) / 1024}))
-
-
 def long_run(folder, name, length, limit_gib, limit_s):
     """One forward in a child process limited to `limit_gib` of address space and `limit_s` seconds: its result,
     or why it did not finish (out of memory or out of time)."""
-    request = json.dumps([folder, name, length, torch.get_num_threads()])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     limit = limit_gib * 2**30
-
-    def cap():
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
+    request = [folder, name, length, torch.get_num_threads()]
     try:
-        result = subprocess.run(
-            [sys.executable, __file__, "--measure-long", request],
-            capture_output=True,
-            text=True,
-            env=env,
-            preexec_fn=cap,
-            timeout=limit_s,
-        )
+        cap = lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # noqa: E731
+        result = in_child("--measure-long", request, preexec_fn=cap, timeout=limit_s)
     except subprocess.TimeoutExpired:
         return f"out of time (over {limit_s} s)"
     if result.returncode == 0:
-        return json.loads(result.stdout.strip().splitlines()[-1])
+        return printed(result)
     if result.returncode == -9 or any(word in result.stderr for word in OUT_OF_MEMORY):
         return f"out of memory (over {limit_gib} GiB)"
     raise RuntimeError(f"{name} at {length} tokens failed:\n{result.stderr[-2000:]}")
@@ -271,42 +268,17 @@ def long_table(args, lengths):
     """(c) ModernBertModel and its conversion at long lengths, one forward each in a limited child process."""
     rows = []
     with common.scratch_folder() as folder:
-        config = transformers.ModernBertConfig(
-            **MODERN,
-            max_position_embeddings=max(lengths),
-            global_attn_every_n_layers=3,
-            local_attention=2 * args.radius,
-        )
         torch.manual_seed(0)
-        transformers.ModernBertModel(config).save_pretrained(folder)
+        transformers.ModernBertModel(modernbert_config(max(lengths), args.radius)).save_pretrained(folder)
         for length in lengths:
-            runs = {name: long_run(folder, name, length, args.limit_gib, args.limit_s) for name in CLASSES}
-            both = all(isinstance(run, dict) for run in runs.values())
-            difference = (
-                (
-                    torch.load(f"{folder}/EncoderStackModel-{length}.pt")
-                    - torch.load(f"{folder}/ModernBertModel-{length}.pt")
-                )
-                .abs()
-                .max()
-                .item()
-                if both
-                else None
-            )
-            cells = [
-                [f"{run['seconds']:.1f}", f"{run['peak']:.0f}"] if isinstance(run, dict) else [run, "-"]
-                for run in runs.values()
-            ]
-            rows.append(
-                [
-                    "modernbert-patterned",
-                    length,
-                    *cells[0],
-                    *cells[1],
-                    f"{runs[CLASSES[0]]['seconds'] / runs[CLASSES[1]]['seconds']:.2f}" if both else "-",
-                    f"{difference:.2e}" if both else "-",
-                ]
-            )
+            runs = [long_run(folder, name, length, args.limit_gib, args.limit_s) for name in CLASSES]
+            cells = [[f"{r['seconds']:.1f}", f"{r['peak']:.0f}"] if isinstance(r, dict) else [r, "-"] for r in runs]
+            compared = ["-", "-"]
+            if all(isinstance(run, dict) for run in runs):
+                reference, ours = (torch.load(f"{folder}/{name}-{length}.pt") for name in CLASSES)
+                speedup = runs[0]["seconds"] / runs[1]["seconds"]
+                compared = [f"{speedup:.2f}", f"{(ours - reference).abs().max().item():.2e}"]
+            rows.append(["modernbert-patterned", length, *cells[0], *cells[1], *compared])
     layers = MODERN["num_hidden_layers"]
     print(f"(c) ModernBERT-patterned, {layers} layers (global every 3rd, radius {args.radius}), batch 1, one forward")
     print(f"each in a fresh process limited to {args.limit_gib} GiB of address space and {args.limit_s} s")
