@@ -560,28 +560,28 @@ def per_sequence_attention(
     bands = attention_mask
     if bands is None:
         radius = None if sliding_window is None else sliding_window - 1  # transformers' kwarg: the radius + 1
-        bands = band_masks(sequence_lengths, radius, query)
+        bands = band_masks(sequence_lengths, radius, query.dtype, query.device)
     pieces = zip(*(x.split(sequence_lengths, dim=2) for x in (query, key, value)))
     contexts = [attention(module, q, k, v, band, **kwargs)[0] for (q, k, v), band in zip(pieces, bands) if q.shape[2]]
     return torch.cat(contexts, dim=1), None
 
 
-def band_masks(lengths: list[int], radius: int | None, like: torch.Tensor) -> list[torch.Tensor | None]:
+def band_masks(lengths: list[int], radius: int | None, dtype, device) -> list[torch.Tensor | None]:
     """One additive (1, 1, length, length) band mask per sequence, |i - j| <= radius (one tensor per distinct length);
     None for a sequence the window covers, and for every sequence without a radius."""
     if radius is None:
         return [None] * len(lengths)
-    bands = {length: band_mask(length, radius, like) for length in set(lengths) if length > radius + 1}
+    bands = {length: band_mask(length, radius, dtype, device) for length in set(lengths) if length > radius + 1}
     return [bands.get(length) for length in lengths]
 
 
-def band_mask(length: int, radius: int, like: torch.Tensor) -> torch.Tensor:
+def band_mask(length: int, radius: int, dtype, device) -> torch.Tensor:
     """(1, 1, length, length), additive: 0 where |i - j| <= radius, the dtype's most negative value elsewhere."""
-    positions = torch.arange(length, device=like.device)
+    positions = torch.arange(length, device=device)
     outside = (positions[:, None] - positions[None, :]).abs() > radius
-    return torch.zeros(length, length, dtype=like.dtype, device=like.device).masked_fill(
-        outside, torch.finfo(like.dtype).min
-    )[None, None]
+    return torch.zeros(length, length, dtype=dtype, device=device).masked_fill(outside, torch.finfo(dtype).min)[
+        None, None
+    ]
 
 
 def varlen_attention(
@@ -1165,7 +1165,8 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
                 ids = attention_mask.long() - 1  # one sequence a row; padding -1
             masks["sliding_attention"] = band_layout(radius, hidden_states.shape[1], ids, hidden_states.device)
         elif plan.sliding == PER_SEQUENCE:
-            masks["sliding_attention"] = band_masks(packing.lengths, radius, hidden_states)
+            # in the compute dtype, the queries' (under autocast the hidden states stay float32)
+            masks["sliding_attention"] = band_masks(packing.lengths, radius, plan.facts.dtype, hidden_states.device)
         elif not plan.packed:
             masks["sliding_attention"] = create_bidirectional_sliding_window_mask(
                 self.config, hidden_states, attention_mask, and_mask_function=sequences
