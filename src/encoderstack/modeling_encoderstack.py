@@ -579,9 +579,8 @@ def band_mask(length: int, radius: int, dtype, device) -> torch.Tensor:
     """(1, 1, length, length), additive: 0 where |i - j| <= radius, the dtype's most negative value elsewhere."""
     positions = torch.arange(length, device=device)
     outside = (positions[:, None] - positions[None, :]).abs() > radius
-    return torch.zeros(length, length, dtype=dtype, device=device).masked_fill(outside, torch.finfo(dtype).min)[
-        None, None
-    ]
+    mask = torch.zeros(length, length, dtype=dtype, device=device).masked_fill(outside, torch.finfo(dtype).min)
+    return mask[None, None]
 
 
 def varlen_attention(
