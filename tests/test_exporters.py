@@ -7,6 +7,7 @@ placement, a position type, an activation and a norm type: seven exports cover e
 
 import importlib
 import json
+import re
 import subprocess
 import sys
 
@@ -28,6 +29,7 @@ from encoderstack.exporters import (
     check_int8,
     load_exported,
     onnx_feeds,
+    recorded_precision,
     smooth,
     verification_batches,
 )
@@ -88,8 +90,12 @@ INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
 def run_exported(folder, inputs) -> dict:
-    """The export as users run it: `ExportedModel.from_pretrained(folder)(**inputs)`, on the CPU."""
-    outputs = ExportedModel.from_pretrained(folder, device="cpu")(**inputs)
+    """The export as the README tells users to run it: `ExportedModel.from_pretrained(folder)(**inputs)` on the CPU,
+    an OpenVINO program with the precision its record states pinned (OpenVINO's own default is the CPU's)."""
+    options = {}
+    if json.loads((folder / "export.json").read_text())["export_format"] == "openvino":
+        options["config"] = {"INFERENCE_PRECISION_HINT": recorded_precision(folder)}
+    outputs = ExportedModel.from_pretrained(folder, device="cpu", **options)(**inputs)
     return {name: outputs[name] for name in outputs}
 
 
@@ -121,18 +127,87 @@ def test_every_head_placement_position_and_activation_runs_through_exported_mode
 
 
 def test_a_rotary_pre_ln_model_exported_to_openvino_runs_through_exported_model_as_in_pytorch(tmp_path):
-    model = build(
+    model = rotary_token_classifier()
+    folder = ES.export_openvino(model, tmp_path / "openvino")
+    assert {"openvino_model.xml", "openvino_model.bin", "export.json", RECORD} <= {p.name for p in folder.iterdir()}
+    inputs = batch(batch_size=2, seq_length=11, lengths=(11, 4))
+    assert list(matches_pytorch_on_real_tokens(model, folder, inputs)) == ["logits"]
+    assert json.loads((folder / RECORD).read_text())["parity"]["reference"] == "openvino"
+
+
+def rotary_token_classifier():
+    return build(
         ES.EncoderStackForTokenClassification,
         num_hidden_layers=2,
         norm_placement="pre",
         position_embedding_type="rope",
         hidden_act="swiglu",
     )
+
+
+@pytest.fixture
+def openvino_compiles(monkeypatch):
+    """Every compile properties dict OpenVINO is given (the CPU plugin picks bf16 by itself on CPUs with AVX-512 BF16,
+    so which precision runs must come from these, on any host)."""
+    import openvino
+
+    calls, compile_model = [], openvino.Core.compile_model
+
+    def recorded(core, model, device=None, config=None, *args):
+        calls.append(dict(config or {}))
+        return compile_model(core, model, device, config or {}, *args)
+
+    monkeypatch.setattr(openvino.Core, "compile_model", recorded)
+    return calls
+
+
+def cpu_runs_bf16() -> bool:
+    import openvino
+
+    return "BF16" in openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+def test_an_openvino_export_is_verified_at_pinned_float32_and_records_how_to_load_it(tmp_path, openvino_compiles):
+    model = rotary_token_classifier()
     folder = ES.export_openvino(model, tmp_path / "openvino")
-    assert {"openvino_model.xml", "openvino_model.bin", "export.json", RECORD} <= {p.name for p in folder.iterdir()}
-    inputs = batch(batch_size=2, seq_length=11, lengths=(11, 4))
-    assert list(matches_pytorch_on_real_tokens(model, folder, inputs)) == ["logits"]
-    assert json.loads((folder / RECORD).read_text())["parity"]["reference"] == "openvino"
+    assert openvino_compiles and all(call["INFERENCE_PRECISION_HINT"] == "f32" for call in openvino_compiles)
+    record = json.loads((folder / RECORD).read_text())
+    assert record["precision"]["runs_at"] == record["precision"]["verified_at"] == "f32"
+    assert "config={'INFERENCE_PRECISION_HINT': 'f32'}" in record["precision"]["load_with"]
+    assert "bf16" in record["precision"]["plain_load"]
+    assert all(row["max_abs_diff"] <= 1e-4 for row in record["parity"]["results"]["openvino"])
+    graph = ES.exporters.saved_program("openvino", folder)
+    assert graph.get_rt_info(["runtime_options", "INFERENCE_PRECISION_HINT"]).astype(str) == "f32"
+
+
+def test_bf16_is_an_explicit_openvino_choice_recorded_with_the_precision_that_ran(tmp_path, openvino_compiles):
+    model = rotary_token_classifier()
+    folder = ES.export_openvino(model, tmp_path / "openvino", precision="bf16")
+    assert openvino_compiles and all(call["INFERENCE_PRECISION_HINT"] == "bf16" for call in openvino_compiles)
+    record = json.loads((folder / RECORD).read_text())
+    assert record["precision"]["runs_at"] == "bf16"
+    assert record["precision"]["verified_at"] == ("bf16" if cpu_runs_bf16() else "f32")
+    (row,) = record["parity"]["results"]["openvino"]
+    assert record["parity"]["min_cosine"] == 0.999 and row["min_cosine"] >= 0.999
+    assert recorded_precision(folder) == "bf16"
+    graph = ES.exporters.saved_program("openvino", folder)
+    assert graph.get_rt_info(["runtime_options", "INFERENCE_PRECISION_HINT"]).astype(str) == "bf16"
+
+
+@pytest.mark.parametrize(
+    ("format_name", "options", "message"),
+    [
+        ("onnx", {"precision": "bf16"}, "precision 'bf16' is an OpenVINO setting; a onnx export runs in float32"),
+        ("openvino", {"precision": "fp8"}, "precision 'fp8' is not one of f32, bf16"),
+        ("openvino", {"precision": "bf16", "quantize": "int8"}, "export it with precision 'f32'"),
+    ],
+)
+def test_a_precision_the_export_cannot_keep_is_refused_before_anything_is_written(
+    tmp_path, format_name, options, message
+):
+    with pytest.raises(ExportError, match=re.escape(message)):
+        ES.export(build(ES.EncoderStackModel), tmp_path / "out", format_name, **options)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,12 @@ RECORD = "encoderstack_export.json"
 INT8_FOLDER = "int8"
 TOLERANCE = 1e-4
 MIN_INT8_COSINE = 0.99
+# OpenVINO's CPU plugin runs in bf16 by default where the CPU has AVX-512 BF16 or AMX, whatever the graph's recorded
+# precision says (checked on OpenVINO 2026.4): a compile property pins it. A bf16 export is checked by direction
+# (bf16 keeps 8 bits, so ~1e-2 absolute on hidden states), not by the float32 tolerance.
+PRECISIONS = ("f32", "bf16")
+PRECISION_HINT = "INFERENCE_PRECISION_HINT"
+MIN_BF16_COSINE = 0.999
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 QUANTIZATIONS = ("int8",)
 # torch.onnx writes opset 18 and converts it with onnxscript's version converter, which supports 18 to 25 (onnxscript
@@ -249,12 +255,33 @@ def written_opset(exported) -> int:
     return exported.program.opset_imports[""]
 
 
-def load_exported(folder: Path):
-    """The folder as users load it, running on this machine's CPU."""
+def load_exported(folder: Path, precision: str | None = None):
+    """The folder as users load it, running on this machine's CPU; an OpenVINO program compiled at `precision`
+    (default: the precision its record states, float32 without a record), never at the CPU plugin's own choice."""
     from transformers.exporters import ExportedModel
 
+    folder = Path(folder)
+    options = {}
+    if read_json_object(folder / "export.json", ExportError).get("export_format") == "openvino":
+        options["config"] = runtime_config(precision or recorded_precision(folder))
     with quiet():
-        return ExportedModel.from_pretrained(folder, device="cpu")
+        return ExportedModel.from_pretrained(folder, device="cpu", **options)
+
+
+def runtime_config(precision: str) -> dict:
+    """OpenVINO's compile properties that pin `precision` (what `ExportedModel.from_pretrained(..., config=...)` takes)."""
+    return {PRECISION_HINT: precision}
+
+
+def recorded_precision(folder: Path) -> str:
+    record = folder / RECORD
+    return read_json_object(record, ExportError).get("precision", {}).get("runs_at", "f32") if record.exists() else "f32"
+
+
+def compiled_precision(exported) -> str:
+    """The precision OpenVINO actually compiled the program at (a CPU without bf16 runs f32 whatever it is asked)."""
+    (runner,) = exported.runners.values()
+    return runner.compiled_model.get_property(PRECISION_HINT).to_string()
 
 
 def run_exported(exported, names, batch: dict) -> dict:
@@ -287,26 +314,31 @@ def check_finite(name: str, expected: torch.Tensor, got: torch.Tensor, runtime: 
         raise ExportError(f"the export gives non-finite {name} in {runtime} where PyTorch's are finite")
 
 
-def check_parity(model, names, exported, runtime: str, batches: list[dict], inputs: str) -> dict:
-    """max |PyTorch - the reloaded export| per output on the real tokens; a failure above TOLERANCE raises."""
-    worst = dict.fromkeys(names, 0.0)
+def check_parity(model, names, exported, runtime: str, batches: list[dict], inputs: str, precision="f32") -> dict:
+    """max |PyTorch - the reloaded export| per output on the real tokens, and in bf16 the worst cosine of a decision
+    (`decisions`) too; a failure (float32: above TOLERANCE; bf16: a cosine below MIN_BF16_COSINE) raises."""
+    worst, worst_cosine = dict.fromkeys(names, 0.0), dict.fromkeys(names, 1.0)
     for batch in batches:
         mask = flat_mask(batch)
         expected, got = run_torch(model, names, batch), run_exported(exported, names, batch)
         for name in names:
-            a, b = real_tokens(expected[name], mask), real_tokens(got[name], mask)
+            a, b = real_tokens(expected[name], mask), real_tokens(got[name].float(), mask)
             check_finite(name, a, b, runtime)
             worst[name] = max(worst[name], (a - b).abs().max().item() if a.numel() else 0.0)
-    parity = {
-        "reference": runtime,
-        "inputs": inputs,
-        "tolerance": TOLERANCE,
-        "results": {runtime: [{"output": name, "max_abs_diff": value} for name, value in worst.items()]},
-    }
-    failures = [f"{name}: {value:.2e}" for name, value in worst.items() if value > TOLERANCE]
+            pairs = decisions(expected[name], mask), decisions(got[name].float(), mask)
+            worst_cosine[name] = min(worst_cosine[name], cosines(*pairs).min().item())
+    rows = [{"output": name, "max_abs_diff": worst[name]} for name in names]
+    if precision == "f32":
+        failures = [f"{name}: {value:.2e}" for name, value in worst.items() if value > TOLERANCE]
+        bound = f"above {TOLERANCE:g}"
+    else:
+        rows = [{**row, "min_cosine": worst_cosine[row["output"]]} for row in rows]
+        failures = [f"{name}: cosine {value:.5f}" for name, value in worst_cosine.items() if value < MIN_BF16_COSINE]
+        bound = f"in {precision} below cosine {MIN_BF16_COSINE}"
     if failures:
-        raise ExportError(f"the export differs from PyTorch in {runtime} above {TOLERANCE:g} on {'; '.join(failures)}")
-    return parity
+        raise ExportError(f"the export differs from PyTorch in {runtime} {bound} on {'; '.join(failures)}")
+    threshold = {"tolerance": TOLERANCE} if precision == "f32" else {"min_cosine": MIN_BF16_COSINE}
+    return {"reference": runtime, "inputs": inputs, **threshold, "results": {runtime: rows}}
 
 
 def mean_pooled(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -578,9 +610,15 @@ def runtime_version(format_name: str) -> str:
     return f"{runtime} {importlib.metadata.version(runtime)}"
 
 
-def check_arguments(format_name: str, opset, quantize) -> None:
+def check_arguments(format_name: str, opset, quantize, precision) -> None:
     if format_name not in FORMATS:
         raise ExportError(f"format {format_name!r} is not one of {', '.join(FORMATS)}")
+    if precision not in PRECISIONS:
+        raise ExportError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if precision != "f32" and format_name != "openvino":
+        raise ExportError(f"precision {precision!r} is an OpenVINO setting; a {format_name} export runs in float32")
+    if precision != "f32" and quantize is not None:
+        raise ExportError("quantize='int8' is checked against float32: export it with precision 'f32'")
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise ExportError(f"quantize={quantize!r} is not one of {', '.join(QUANTIZATIONS)}")
     if opset is not None and format_name != "onnx":
@@ -601,6 +639,7 @@ def export(
     quantize: str | None = None,
     verify: bool = True,
     force: bool = False,
+    precision: str = "f32",
 ) -> Path:
     """Export an EncoderStack model (an instance or a saved folder) to `out` with transformers' `OnnxExporter` or
     `OpenVINOExporter`; returns the output folder, which `transformers.exporters.ExportedModel.from_pretrained` loads.
@@ -612,8 +651,13 @@ def export(
     is loaded back through `ExportedModel` and its outputs compared with PyTorch's on the tokenizer's encoding of
     sample sentences; a difference above 1e-4 fails the export. `quantize="int8"` adds `out/int8/` (ONNX: SmoothQuant,
     then ONNX Runtime's dynamic int8; OpenVINO: NNCF) and refuses it when its cosine similarity to float32 falls below
-    0.99, unless `force`. `force` also replaces an existing `out`. On any failure nothing is written."""
-    check_arguments(format, opset, quantize)
+    0.99, unless `force`. `force` also replaces an existing `out`. On any failure nothing is written.
+
+    `precision` ("f32" or "bf16", OpenVINO only) is the precision the export is verified and recorded at, and the one
+    `load_exported` compiles it at: OpenVINO's CPU plugin picks bf16 by itself where the CPU has AVX-512 BF16 or
+    AMX, so a plain `ExportedModel.from_pretrained(out)` runs there at bf16 unless given
+    `config={"INFERENCE_PRECISION_HINT": "f32"}` (the record says so)."""
+    check_arguments(format, opset, quantize, precision)
     check_installed(format, quantize)
     given_folder = isinstance(model_or_folder, (str, os.PathLike))
     output = OutputFolder(out, force, inputs=[model_or_folder] if given_folder else [])
@@ -625,6 +669,8 @@ def export(
         exported = export_program(model, inputs, format, choices, opset)
         if format == "onnx":
             name_axes(exported.program, choices)
+        else:  # the graph's own record of its precision (which OpenVINO 2026.4's CPU plugin does not apply by itself)
+            exported.program.set_rt_info(precision, ["runtime_options", PRECISION_HINT])
         with quiet():
             exported.save_pretrained(folder)
         if tokenizer is not None:
@@ -640,6 +686,12 @@ def export(
             "outputs": names,
             "runtime": runtime_version(format),
         }
+        if format == "openvino":
+            record["precision"] = {
+                "runs_at": precision,
+                "load_with": f"ExportedModel.from_pretrained(folder, config={runtime_config(precision)!r})",
+                "plain_load": "OpenVINO's CPU default: bf16 on CPUs with AVX-512 BF16 or AMX, f32 elsewhere",
+            }
         if format == "onnx":
             record["opset"] = written_opset(exported)
             if opset is not None and record["opset"] != opset:  # the exporter falls back when it cannot convert
@@ -648,9 +700,12 @@ def export(
                 )
         if verify or quantize:
             batches, described = verification_batches(folder, model.config, choices)
-            fp32 = load_exported(folder)
+            fp32 = load_exported(folder, precision)
         if verify:
-            record["parity"] = check_parity(model, names, fp32, FORMATS[format].runtime, batches, described)
+            runtime = FORMATS[format].runtime
+            record["parity"] = check_parity(model, names, fp32, runtime, batches, described, precision)
+            if format == "openvino":
+                record["precision"]["verified_at"] = compiled_precision(fp32)
         if quantize == "int8":
             made = quantize_int8(format, exported, folder, calibration_batches(folder, model.config, choices))
             int8 = load_exported(folder / INT8_FOLDER)
@@ -670,6 +725,8 @@ def export_onnx(model_or_folder, out, task=None, opset=None, quantize=None, veri
     return export(model_or_folder, out, "onnx", task, opset, quantize, verify, force)
 
 
-def export_openvino(model_or_folder, out, task=None, quantize=None, verify=True, force=False) -> Path:
-    """`export(..., format="openvino")`: `out/openvino_model.xml` and `.bin`, run by OpenVINO (float32 pinned)."""
-    return export(model_or_folder, out, "openvino", task, None, quantize, verify, force)
+def export_openvino(
+    model_or_folder, out, task=None, quantize=None, verify=True, force=False, precision="f32"
+) -> Path:
+    """`export(..., format="openvino")`: `out/openvino_model.xml` and `.bin`, run by OpenVINO at `precision`."""
+    return export(model_or_folder, out, "openvino", task, None, quantize, verify, force, precision)
