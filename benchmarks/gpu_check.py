@@ -2,11 +2,17 @@
 guard), whose raw output is what to commit under docs/benchmarks/:
 
 1. the execution plan on this device for every input kind x dtype x backend x mode, each cell run once;
-2. bf16 parity of the packed paths against the padded batch, for every head (and masked-LM gradients);
-3. device-to-host syncs of a masked-LM training step: counted for the whole step, and none allowed in the layers'
-   forward and backward once the plan is made (`torch.cuda.set_sync_debug_mode("error")`);
-4. the inference, training and flex-attention benchmarks: ratios against BertModel-SDPA, with flash_attention_2
-   columns where it is installed.
+2. bf16 parity of the packed paths against the padded batch, for every head, and masked-LM gradients with attention
+   dropout off (with it on, two paths draw different masks);
+3. attention dropout compared like with like: the flash kernel's backward replays its forward's mask (attention is
+   linear in V, so <dO, O> = <dV, V> holds exactly only with the same mask), and the mean of 32 dropout draws of the
+   packed model's output is as close to its dropout-free output as the padded batch's;
+4. device-to-host syncs of a masked-LM training step: counted for the whole step (the goal: one, the lengths), and
+   none allowed in the layers' forward and backward once the plan is made (`torch.cuda.set_sync_debug_mode("error")`);
+5. the inference and training benchmarks: ratios against BERT-SDPA at the small sizes and at compute-bound ones
+   (bert-base 64x512 and 128x512), the training step also as `Trainer(bf16=True)` runs it (float32 weights under
+   bf16 autocast, dropout 0.1), then flex attention; flash_attention_2 columns where it is installed. "minilm" is
+   the embedded checkpoint, or its shape in random weights where its weights are not installed.
 
     PYTHONPATH=src python benchmarks/gpu_check.py      # on the GPU machine: cuda, bf16
     PYTHONPATH=src python benchmarks/gpu_check.py --smoke   # CPU, tiny sizes: that it runs (sections 1-3)
@@ -14,6 +20,7 @@ guard), whose raw output is what to commit under docs/benchmarks/:
 
 import argparse
 import contextlib
+import itertools
 import signal
 import subprocess
 import sys
@@ -26,6 +33,7 @@ import common
 import torch
 from common import encoderstack, transformers
 
+from encoderstack import modeling_encoderstack as modeling
 from encoderstack.modeling_encoderstack import AUTO_MAP
 
 HEADS = [  # every class the Auto classes map, the bare model first
@@ -33,11 +41,16 @@ HEADS = [  # every class the Auto classes map, the bare model first
 ]
 DTYPES = ("float32", "bfloat16", "float16", "float32 + bf16 autocast")
 SIZES = ["--models", "minilm,bert-base", "--sizes", "32x128,8x512"]
-BENCHMARKS = {  # script -> its arguments on the GPU; flex last: it compiles every shape
-    "inference.py": ["--dtype", "bfloat16", *SIZES, "--iterations", "5"],
-    "training.py": ["--dtype", "bfloat16", *SIZES, "--iterations", "3"],
-    "flex.py": ["--models", "minilm", "--sizes", "32x128,8x512", "--iterations", "5"],
-}
+LARGE = ["--models", "bert-base", "--sizes", "64x512,128x512"]
+TRAINER_BF16 = ["--dtype", "float32", "--autocast", "bfloat16"]  # what Trainer(bf16=True) runs
+BENCHMARKS = [  # (script, its arguments on the GPU), cheapest first; flex last: it compiles every shape
+    ("inference.py", ["--dtype", "bfloat16", *SIZES, "--iterations", "5"]),
+    ("training.py", [*TRAINER_BF16, *SIZES, "--iterations", "3"]),
+    ("training.py", [*TRAINER_BF16, *LARGE, "--iterations", "3"]),
+    ("inference.py", ["--dtype", "bfloat16", *LARGE, "--iterations", "3"]),
+    ("training.py", ["--dtype", "bfloat16", *SIZES, "--iterations", "3"]),
+    ("flex.py", ["--models", "minilm", "--sizes", "32x128,8x512", "--iterations", "5"]),
+]
 PARITY = 2e-2  # bf16 keeps 8 bits: outputs and gradients agree to 2% of their norm
 
 
@@ -146,7 +159,8 @@ def parity(args):
             packed, reference = packed[real], reference[real]
         plan = model.base_model.execution_plan(**{name: x.flatten(0, -2) for name, x in inputs.items()}).kind
         rows.append([model_class.__name__, "padded batch", plan, relative_difference(packed, reference)])
-    model = encoderstack.EncoderStackForMaskedLM(config(args.smoke)).to(args.device, torch.bfloat16).train()
+    off = config(args.smoke, attention_probs_dropout_prob=0.0)  # with dropout, each path would draw its own masks
+    model = encoderstack.EncoderStackForMaskedLM(off).to(args.device, torch.bfloat16).train()
     flattened = batches(args.device)["flattened"]
     labels = padded["input_ids"].masked_fill(~real, -100)
     grads = {}
@@ -158,7 +172,7 @@ def parity(args):
     for name in ("flattened row", "padded batch"):
         plan = model.model.execution_plan(**(flattened if name == "flattened row" else padded)).kind
         difference = relative_difference(grads[name, True], grads["padded batch", False])
-        rows.append(["EncoderStackForMaskedLM gradients", name, plan, difference])
+        rows.append(["EncoderStackForMaskedLM gradients, dropout 0", name, plan, difference])
     for row in rows:
         row.append("ok" if row[3] <= PARITY else "FAILED")
         row[3] = f"{row[3]:.2e}"
@@ -167,9 +181,61 @@ def parity(args):
     return all(row[-1] == "ok" for row in rows)
 
 
+def dropout(args):
+    """Attention dropout, like with like. (a) One call of the flash path's attention function: the backward's dV must
+    satisfy <dO, O> = <dV, V>, which only the forward's own mask gives. (b) A model in training mode (bf16, dropout
+    0.1 on attention only): the mean output over 32 draws against the dropout-free output, packed and padded."""
+    rows, passed = [], True
+    module = SimpleNamespace(training=True)
+    generator = torch.Generator(device=args.device).manual_seed(0)
+    lengths = [5, 9, 1, 7, 3] if args.smoke else [64, 512, 200, 37, 300]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=args.device)
+    shape = (1, 4, sum(lengths), 64)
+    q, k, v = (torch.randn(shape, device=args.device, generator=generator, dtype=torch.bfloat16) for _ in range(3))
+    v.requires_grad_()
+    attention = modeling.flash_attention if args.device == "cuda" else cpu_dropout_attention
+    out, _ = attention(module, q, k, v, None, scaling=0.125, dropout=0.1, cu_seq_lens_q=cu, max_length_q=max(lengths))
+    grad = torch.randn(out.shape, device=args.device, generator=generator, dtype=torch.bfloat16)
+    (dv,) = torch.autograd.grad(out, v, grad)
+    lhs, rhs = (float((a.float() * b.detach().float()).sum()) for a, b in ((grad, out), (dv, v)))
+    replay = abs(lhs - rhs) / max(abs(lhs), 1e-12)
+    rows.append(["flash kernel: |<dO,O> - <dV,V>| / |<dO,O>|", f"{replay:.2e}", "ok" if replay <= 1e-2 else "FAILED"])
+    torch.manual_seed(0)
+    model = encoderstack.EncoderStackModel(config(args.smoke, attention_probs_dropout_prob=0.1))
+    model = model.to(args.device, torch.bfloat16)
+    padded = batches(args.device)["padded"]
+    real = padded["attention_mask"].bool()
+    with torch.no_grad():
+        clean = model.eval()(**padded).last_hidden_state[real].float()
+        model.train()
+        for free in (True, False):
+            draws = [model(**padded, padding_free=free).last_hidden_state[real].float() for _ in range(32)]
+            deviation = relative_difference(torch.stack(draws).mean(0), clean)
+            plan = model.execution_plan(**padded, padding_free=free)
+            rows.append([f"mean of 32 draws vs no dropout, {plan.kind} ({plan.attention})", f"{deviation:.2e}"])
+    packed, reference = (float(row[1]) for row in rows[1:])
+    close = packed <= 1.5 * reference + 1e-3
+    rows[1].append("ok" if close else "FAILED")
+    rows[2].append("reference")
+    common.print_table(rows, ["check", "value", "result"])
+    return passed and replay <= 1e-2 and close
+
+
+def cpu_dropout_attention(module, query, key, value, attention_mask, scaling, dropout, cu_seq_lens_q, **_):
+    """--smoke on CPU, where no flash kernel runs: SDPA with dropout per sequence (its backward replays its mask)."""
+    bounds = cu_seq_lens_q.tolist()
+    pieces = [
+        torch.nn.functional.scaled_dot_product_attention(
+            *(x[:, :, a:b] for x in (query, key, value)), dropout_p=dropout, scale=scaling
+        )
+        for a, b in zip(bounds, bounds[1:])
+    ]
+    return torch.cat(pieces, dim=2).transpose(1, 2), None
+
+
 def syncs(args):
     """A masked-LM training step under bf16 autocast (as Trainer(bf16=True) runs it), with and without attention
-    dropout (the nested-SDPA and the varlen_attn routes)."""
+    dropout (the flash-kernel and the varlen_attn routes)."""
     passed = True
     for dropout in (0.0, 0.1):
         torch.manual_seed(0)
@@ -216,7 +282,7 @@ def benchmarks(args, deadline):
     """Each benchmark script in its own process, cut at the deadline (what it printed is kept)."""
     if args.smoke:
         print("not run with --smoke (each runs in tests/test_benchmarks_smoke.py); on the GPU:")
-    for script, arguments in BENCHMARKS.items():
+    for script, arguments in BENCHMARKS:
         command = [sys.executable, str(Path(__file__).with_name(script)), "--device", args.device, *arguments]
         print("$ " + " ".join(command[1:]), flush=True)
         left = deadline - time.monotonic() - 10
@@ -248,7 +314,10 @@ def main():
     print(f"gpu check on {where}: torch {torch.__version__}, transformers {transformers.__version__}")
     results = {}
     try:
-        for title, section in (("plan table", plan_table), ("bf16 parity", parity), ("host syncs", syncs)):
+        # the checks' batches are tiny: pack them anyway (the benchmarks, in their own processes, plan as users do)
+        modeling.GPU_PACKING_MIN_TOKENS = 0
+        sections = (("plan table", plan_table), ("bf16 parity", parity), ("dropout", dropout), ("host syncs", syncs))
+        for title, section in sections:
             print(f"\n## {title} ({time.monotonic() - start:.0f} s)", flush=True)
             results[title] = section(args)
         print(f"\n## benchmarks ({time.monotonic() - start:.0f} s)", flush=True)

@@ -26,7 +26,7 @@ TINY = json.dumps({name: getattr(tiny_config(), name) for name in BERT_FIELDS})
 ONE_ROUND = ["--models", TINY, "--iterations", "1"]
 RUNS = {
     "inference.py": [*ONE_ROUND, "--sizes", "2x16", "--peak-size", "64"],
-    "training.py": [*ONE_ROUND, "--sizes", "2x16", "--peak-size", "64"],
+    "training.py": [*ONE_ROUND, "--sizes", "2x16", "--peak-size", "64", "--autocast", "bfloat16"],
     "convert.py": [*ONE_ROUND, "--clock", "cpu"],
     "load.py": [*ONE_ROUND, "--clock", "cpu"],
     "attention.py": [*ONE_ROUND, "--sizes", "2x16"],

@@ -25,7 +25,7 @@ DENSE_BAND_TABLE = [
     ((CPU, torch.float32, "whole", {"longest": SHORT, "backend": "flex_attention"}),
      ("padded", "flex_attention", BANDED)),
     ((H100, torch.bfloat16, "padded", {"longest": SHORT, "attention_dropout": True}),
-     ("varlen", "encoderstack_nested", BANDED)),
+     ("varlen", "encoderstack_flash", "encoderstack_flash")),
 ]  # fmt: skip
 
 

@@ -9,10 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nested._internal.sdpa
 from conftest import build
 from test_packed_sequences import attend_each, flattened, padded, sequences
-from torch.nn.attention import SDPBackend
 
 import encoderstack
 from encoderstack import EncoderStackModel, modeling_encoderstack
@@ -25,7 +23,8 @@ from encoderstack.modeling_encoderstack import (
 )
 
 BF16, FP32, FP16 = torch.bfloat16, torch.float32, torch.float16
-CPU, H100, T4 = ("cpu", None), ("cuda", (9, 0)), ("cuda", (7, 5))
+CPU, H100, A100, T4 = ("cpu", None), ("cuda", (9, 0)), ("cuda", (8, 0)), ("cuda", (7, 5))
+FLASH = "encoderstack_flash"
 
 
 def facts(device=CPU, dtype=FP32, inputs="padded", backend="sdpa", **overrides):
@@ -41,6 +40,7 @@ def facts(device=CPU, dtype=FP32, inputs="padded", backend="sdpa", **overrides):
         "recording": False,
         "compiling": False,
         "varlen_kernel": True,
+        "padded_tokens": 1 << 16,
     }
     values.update(overrides)
     return PlanFacts(**values)
@@ -65,8 +65,8 @@ PLAN_TABLE = [
     ((CPU, FP32, "padded", {"attention_dropout": True}), ("per_sequence", "encoderstack_per_sequence")),
     ((CPU, BF16, "flattened", {"attention_dropout": True}), ("per_sequence", "encoderstack_per_sequence")),
     ((CPU, FP32, "flattened", {"attention_dropout": True, "padding_free": False}), ("block_diagonal", "sdpa")),
-    ((H100, BF16, "padded", {"attention_dropout": True}), ("varlen", "encoderstack_nested")),
-    ((H100, FP16, "flattened", {"attention_dropout": True}), ("varlen", "encoderstack_nested")),
+    ((H100, BF16, "padded", {"attention_dropout": True}), ("varlen", FLASH)),
+    ((H100, FP16, "flattened", {"attention_dropout": True}), ("varlen", FLASH)),
     ((H100, FP32, "padded", {"attention_dropout": True}), ("padded", "sdpa")),
     ((H100, FP32, "flattened", {"attention_dropout": True}), ("per_sequence", "encoderstack_per_sequence")),
     ((H100, BF16, "padded", {"attention_dropout": True, "head_dim": 12}), ("padded", "sdpa")),
@@ -79,8 +79,18 @@ PLAN_TABLE = [
     ),
     ((H100, BF16, "padded", {"head_dim": 12}), ("padded", "sdpa")),
     ((H100, BF16, "padded", {"head_dim": 512}), ("padded", "sdpa")),
-    ((H100, BF16, "padded", {"varlen_kernel": False}), ("varlen", "encoderstack_nested")),
-    ((H100, BF16, "padded", {"varlen_kernel": False, "attention_dropout": True}), ("varlen", "encoderstack_nested")),
+    ((H100, BF16, "padded", {"varlen_kernel": False}), ("varlen", FLASH)),
+    ((H100, BF16, "padded", {"varlen_kernel": False, "attention_dropout": True}), ("varlen", FLASH)),
+    ((A100, BF16, "padded", {}), ("varlen", "encoderstack_varlen")),
+    ((H100, BF16, "padded", {"padded_tokens": 8191}), ("padded", "sdpa")),
+    ((H100, BF16, "padded", {"padded_tokens": 8192}), ("varlen", "encoderstack_varlen")),
+    ((H100, BF16, "padded", {"padded_tokens": 4096, "attention_dropout": True}), ("padded", "sdpa")),
+    ((H100, BF16, "flattened", {"padded_tokens": 4096, "attention_dropout": True}), ("varlen", FLASH)),
+    ((CPU, FP32, "padded", {"padded_tokens": 64}), ("per_sequence", "encoderstack_per_sequence")),
+    ((A100, FP16, "padded", {"attention_dropout": True}), ("varlen", FLASH)),
+    ((A100, BF16, "flattened", {"attention_dropout": True}), ("varlen", FLASH)),
+    ((A100, FP16, "flattened", {"varlen_kernel": False}), ("varlen", FLASH)),
+    ((A100, FP32, "padded", {"attention_dropout": True}), ("padded", "sdpa")),
     ((H100, BF16, "padded", {"backend": "eager"}), ("padded", "eager")),
     ((H100, BF16, "padded", {"recording": True}), ("padded", "sdpa")),
     ((T4, FP16, "padded", {}), ("padded", "sdpa")),
@@ -209,6 +219,16 @@ def test_in_training_attention_dropout_changes_the_packed_outputs_and_nothing_el
     assert not torch.allclose(outputs[0.3], expected, atol=1e-3)
 
 
+def test_the_plan_counts_the_padded_batchs_tokens_and_says_why_a_small_one_stays_padded_on_a_gpu(monkeypatch):
+    model = build(EncoderStackModel)
+    inputs = padded(sequences())
+    assert model.execution_plan(**inputs).facts.padded_tokens == inputs["input_ids"].numel()
+    monkeypatch.setattr(modeling_encoderstack, "cuda_capability", lambda device: (9, 0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = model.execution_plan(**inputs)
+    assert plan.kind == "padded" and "too few for packing to pay on a GPU" in plan.reason
+
+
 def test_a_plan_is_immutable_and_says_why():
     plan = decide_plan(facts(H100, FP32, "padded"))
     with pytest.raises(AttributeError):
@@ -315,6 +335,7 @@ def varlen_on_cpu(monkeypatch):
     torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", varlen_forward_kernel)
     torch.library.register_kernel("torch_attn::_varlen_attn_backward", "cpu", varlen_backward_kernel)
     monkeypatch.setattr(modeling_encoderstack, "cuda_capability", lambda device: (9, 0))
+    monkeypatch.setattr(modeling_encoderstack, "GPU_PACKING_MIN_TOKENS", 0)  # the tests' batches are tiny
     real_varlen_attn = modeling_encoderstack.varlen_attn
 
     def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs):
@@ -355,56 +376,147 @@ def assert_same_loss_and_gradients_as_the_padded_batch(model, inputs, labels, ou
         assert (grads[name] - p.grad).norm() <= 0.02 * p.grad.norm() + 1e-6, name
 
 
+# torch's flash kernel (`aten._flash_attention_forward` / `_flash_attention_backward`), on CPU: kernels that check
+# its contract, drop attention probabilities with a mask that is a function of the RNG state alone (as flash's
+# Philox counter is), and differentiate exactly, so that a backward given another call's RNG state gets wrong
+# gradients.
+
+FLASH_CALLS = []  # (direction, dropout_p, (left, right) window, seed of the RNG state)
+
+
+def flash_reference(query, key, value, cu_seq_q, scale, window, dropout_p, seed, grad=None):
+    """Windowed attention with dropout on packed (tokens, heads, dim), each sequence alone, in float32; with `grad`,
+    the gradients of q, k and v instead (by hand: kernels run below autograd)."""
+    left, right = window
+    outputs = []
+    for a, b in zip(cu_seq_q.tolist(), cu_seq_q.tolist()[1:]):
+        q, k, v = (x[a:b].transpose(0, 1).float() for x in (query, key, value))
+        distance = torch.arange(b - a)[:, None] - torch.arange(b - a)[None]
+        allowed = (distance <= left if left >= 0 else True) & (-distance <= right if right >= 0 else True)
+        p = (scale * q @ k.transpose(1, 2)).masked_fill(~torch.as_tensor(allowed), float("-inf")).softmax(-1)
+        keep = torch.rand(p.shape, generator=torch.Generator().manual_seed(seed + a)) >= dropout_p
+        dropped = p * keep / (1 - dropout_p)
+        if grad is None:
+            outputs.append([(dropped @ v).transpose(0, 1)])
+            continue
+        g = grad[a:b].transpose(0, 1).float()
+        dp = (g @ v.transpose(1, 2)) * keep / (1 - dropout_p)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        outputs.append([x.transpose(0, 1) for x in (scale * ds @ k, scale * ds.transpose(1, 2) @ q, dropped.mT @ g)])
+    return tuple(torch.cat(parts).to(query.dtype) for parts in zip(*outputs))
+
+
 def flash_forward_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p, causal, debug, **kwargs):
-    """aten::_flash_attention_forward's contract; records the dropout it is given and drops nothing."""
     check_flash_contract(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
-    KERNEL_CALLS.append(("forward", dropout_p))
-    out = attend_each(query, key, value, cu_seq_q, kwargs.get("scale")).to(query.dtype)
+    assert torch.equal(cu_seq_q, cu_seq_k) and not causal and not debug, "an encoder: keys are the queries' tokens"
+    window = (kwargs.get("window_size_left", -1), kwargs.get("window_size_right", -1))
+    scale = query.shape[-1] ** -0.5 if kwargs.get("scale") is None else kwargs["scale"]
+    seed = 1000 + len(FLASH_CALLS)  # every call draws a new mask
+    FLASH_CALLS.append(("forward", dropout_p, window, seed))
+    (out,) = flash_reference(query, key, value, cu_seq_q, scale, window, dropout_p, seed)
     lse = torch.zeros(query.shape[1], query.shape[0], dtype=torch.float)
-    return out, lse, torch.zeros(2, dtype=torch.uint64), torch.empty(0), torch.empty(0)
+    return out, lse, torch.tensor([seed, 0], dtype=torch.uint64), torch.empty(0), torch.empty(0)
 
 
-def flash_backward_kernel(grad, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p, *rest, **kw):
+def flash_backward_kernel(
+    grad, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, p, causal, rng, *_, **kw
+):  # noqa: E501  (the op's schema)
     check_flash_contract(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
-    KERNEL_CALLS.append(("backward", dropout_p))
+    window = (kw.get("window_size_left", -1), kw.get("window_size_right", -1))
     scale = query.shape[-1] ** -0.5 if kw.get("scale") is None else kw["scale"]
-    bounds = cu_seq_q.tolist()
-    grads = [
-        attention_backward(grad[a:b], *(x[a:b] for x in (query, key, value)), scale) for a, b in zip(bounds, bounds[1:])
-    ]
-    return tuple(torch.cat(parts).to(query.dtype) for parts in zip(*grads))
+    seed = int(rng[0])
+    FLASH_CALLS.append(("backward", p, window, seed))
+    return flash_reference(query, key, value, cu_seq_q, scale, window, p, seed, grad=grad.contiguous())
 
 
 @pytest.fixture
-def nested_flash_on_cpu(monkeypatch):
-    """SDPA over nested jagged tensors runs here as on an sm90 device: it picks the flash kernel, whose aten ops get
-    the CPU kernels above."""
+def flash_on_cpu(monkeypatch):
+    """torch's flash kernel runs here as on an sm90 device, through the kernels above."""
     library = torch.library.Library("aten", "IMPL")
     library.impl("_flash_attention_forward", flash_forward_kernel, "CPU")
     library.impl("_flash_attention_backward", flash_backward_kernel, "CPU")
-    monkeypatch.setattr(torch.nested._internal.sdpa, "_select_sdp_backend", lambda *args: SDPBackend.FLASH_ATTENTION)
     monkeypatch.setattr(modeling_encoderstack, "cuda_capability", lambda device: (9, 0))
-    KERNEL_CALLS.clear()
-    yield KERNEL_CALLS
+    monkeypatch.setattr(modeling_encoderstack, "GPU_PACKING_MIN_TOKENS", 0)  # the tests' batches are tiny
+    FLASH_CALLS.clear()
+    yield FLASH_CALLS
     library._destroy()
 
 
+def test_the_stand_in_flash_backward_is_the_gradient_of_its_forward_with_the_same_dropout_mask():
+    q, k, v, g = torch.randn(4, 9, 2, 8, dtype=torch.float64).unbind(0)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = []
+    for a, b in ((0, 4), (4, 9)):  # the same mask, drawn through autograd
+        x = [t[a:b].transpose(0, 1) for t in leaves]
+        p = torch.softmax(0.3 * x[0] @ x[1].mT, dim=-1)
+        keep = torch.rand(p.shape, generator=torch.Generator().manual_seed(7 + a)) >= 0.25
+        out.append(((p * keep / 0.75) @ x[2]).transpose(0, 1))
+    expected = torch.autograd.grad(torch.cat(out), leaves, g)
+    (forward,) = flash_reference(q, k, v, cu, 0.3, (-1, -1), 0.25, 7)
+    torch.testing.assert_close(forward.float(), torch.cat(out).detach().float())  # the stand-in computes in float32
+    for actual, wanted in zip(flash_reference(q, k, v, cu, 0.3, (-1, -1), 0.25, 7, grad=g), expected):
+        torch.testing.assert_close(actual.float(), wanted.float())
+
+
+def test_the_flash_function_drops_inside_the_kernel_and_each_backward_replays_its_own_forwards_mask(flash_on_cpu):
+    generator = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)  # sequences of 5, 1 and 7 tokens
+    kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 7, "max_length_k": 7}
+    module = SimpleNamespace(training=True)
+    calls = []
+    for _ in range(2):  # two layers: two masks, each backward must get its own
+        q, k, v = (torch.randn(1, 2, 13, 8, generator=generator).bfloat16().requires_grad_() for _ in range(3))
+        out, _ = modeling_encoderstack.flash_attention(module, q, k, v, None, scaling=0.3, dropout=0.25, **kwargs)
+        assert out.shape == (1, 13, 2, 8)  # transformers' (batch, tokens, heads, dim)
+        calls.append((q, k, v, out))
+    grads = [torch.randn(1, 13, 2, 8, generator=generator).bfloat16() for _ in calls]
+    torch.autograd.backward([out for *_, out in calls], grads)
+    forwards, backwards = flash_on_cpu[:2], flash_on_cpu[2:]
+    assert [call[:3] for call in flash_on_cpu] == [("forward", 0.25, (-1, -1))] * 2 + [("backward", 0.25, (-1, -1))] * 2
+    assert sorted(seed for *_, seed in backwards) == [seed for *_, seed in forwards]
+    for (q, k, v, out), grad, (*_, seed) in zip(calls, grads, forwards):
+        packed = [x.detach()[0].transpose(0, 1) for x in (q, k, v)]
+        (expected,) = flash_reference(*packed, cu, 0.3, (-1, -1), 0.25, seed)
+        torch.testing.assert_close(out[0], expected)
+        wanted = flash_reference(*packed, cu, 0.3, (-1, -1), 0.25, seed, grad=grad[0])
+        for x, want in zip((q, k, v), wanted):
+            torch.testing.assert_close(x.grad[0].transpose(0, 1), want)
+
+
 @pytest.mark.parametrize("route", ["padded", "flattened"])
-def test_attention_dropout_reaches_one_flash_call_per_layer_through_nested_sdpa_forward_and_backward(
-    route, nested_flash_on_cpu
-):
+def test_attention_dropout_runs_one_flash_call_per_layer_forward_and_backward_without_a_host_sync(route, flash_on_cpu):
     model = build(encoderstack.EncoderStackForMaskedLM, attention_probs_dropout_prob=0.1).train()
+    seqs = sequences()
+    inputs = padded(seqs) if route == "padded" else flattened(seqs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = model.model.execution_plan(**inputs)
+        assert (plan.kind, plan.attention) == ("varlen", FLASH), plan.reason
+        with HostSyncs() as syncs:
+            model.model(**inputs, plan=plan).last_hidden_state.float().pow(2).mean().backward()
+    layers = model.config.num_hidden_layers
+    assert [call[:3] for call in flash_on_cpu] == [("forward", 0.1, (-1, -1))] * layers + [
+        ("backward", 0.1, (-1, -1))
+    ] * layers
+    assert [seed for *_, seed in flash_on_cpu[layers:]] == [seed for *_, seed in flash_on_cpu[:layers]][::-1]
+    assert syncs.count == 0
+
+
+@pytest.mark.parametrize("route", ["padded", "flattened"])
+def test_without_varlen_attn_the_flash_kernel_gives_the_padded_batchs_loss_and_gradients(
+    route, flash_on_cpu, monkeypatch
+):
+    monkeypatch.setattr(modeling_encoderstack, "varlen_attn", None)
+    model = build(encoderstack.EncoderStackForMaskedLM, position_embedding_type="rope").train()
     seqs = sequences()
     inputs = padded(seqs) if route == "padded" else flattened(seqs)
     labels = torch.where(torch.rand(inputs["input_ids"].shape) < 0.5, inputs["input_ids"], -100)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        plan = model.model.execution_plan(**inputs)
-        assert (plan.kind, plan.attention) == ("varlen", "encoderstack_nested"), plan.reason
+        assert model.model.execution_plan(**inputs).attention == FLASH
         out = model(**inputs, labels=labels)
-    layers = model.config.num_hidden_layers
-    assert nested_flash_on_cpu == [("forward", 0.1)] * layers
     assert_same_loss_and_gradients_as_the_padded_batch(model, inputs, labels, out)
-    assert nested_flash_on_cpu == [("forward", 0.1)] * layers + [("backward", 0.1)] * layers
+    layers = model.config.num_hidden_layers
+    assert [call[:2] for call in flash_on_cpu] == [("forward", 0.0)] * layers + [("backward", 0.0)] * layers
 
 
 class HostSyncs(torch.overrides.TorchFunctionMode):
@@ -424,12 +536,22 @@ class HostSyncs(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_padded_masked_lm_training_step_makes_four_host_syncs():
-    """The plan's lengths, the labelled tokens of sparse prediction, one to check the mask's values and the ids'
-    ranges together, and one for the labels' range; none per layer, none per loss term."""
+def test_a_padded_masked_lm_training_step_makes_two_host_syncs():
+    """One for the plan's lengths read together with the inputs' checks (the mask's values, the ids' ranges), one for
+    the labelled tokens of sparse prediction read together with the labels' range; none per layer or loss term."""
     model = build(encoderstack.EncoderStackForMaskedLM, num_hidden_layers=4).train()
     inputs = padded(sequences())
     labels = torch.where(torch.rand(inputs["input_ids"].shape) < 0.3, inputs["input_ids"], -100)
     with HostSyncs() as syncs:
         model(**inputs, labels=labels).loss.backward()
-    assert syncs.count == 4
+    assert syncs.count == 2
+
+
+def test_a_padded_classification_training_step_makes_two_host_syncs():
+    """The plan's lengths with the inputs' checks, and the class labels' range."""
+    model = build(encoderstack.EncoderStackForSequenceClassification, num_hidden_layers=4, num_labels=3).train()
+    inputs = padded(sequences())
+    labels = torch.arange(inputs["input_ids"].shape[0]) % 3
+    with HostSyncs() as syncs:
+        model(**inputs, labels=labels).loss.backward()
+    assert syncs.count == 2

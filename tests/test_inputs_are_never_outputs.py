@@ -39,7 +39,7 @@ NOT_PATHS = {
     },
     "export-bert": {"force"},
     "export-onnx": {"task", "opset", "quantize", "no_verify", "force"},
-    "export-openvino": {"task", "quantize", "no_verify", "force"},
+    "export-openvino": {"task", "quantize", "no_verify", "force", "precision"},
     "diagnose": {
         "layers",
         "placements",

@@ -30,7 +30,8 @@ def parity_table(parity: dict) -> str:
     if "min_cosine" in parity:  # a bf16 export, checked by direction
         ok = all(row["min_cosine"] >= parity["min_cosine"] for row in rows)
         worst = min(row["min_cosine"] for row in rows)
-        lines.append(f"parity {'OK' if ok else 'FAILED'} in bf16 (min cosine {worst:.5f}, threshold {parity['min_cosine']})")
+        verdict = "OK" if ok else "FAILED"
+        lines.append(f"parity {verdict} in bf16 (min cosine {worst:.5f}, threshold {parity['min_cosine']})")
     else:
         ok = all(row["max_abs_diff"] <= parity["tolerance"] for row in rows)
         lines.append(f"parity {'OK' if ok else 'FAILED'} (tolerance {parity['tolerance']:g})")

@@ -269,13 +269,15 @@ def load_exported(folder: Path, precision: str | None = None):
 
 
 def runtime_config(precision: str) -> dict:
-    """OpenVINO's compile properties that pin `precision` (what `ExportedModel.from_pretrained(..., config=...)` takes)."""
+    """OpenVINO's compile properties that pin `precision` (`ExportedModel.from_pretrained(..., config=...)`)."""
     return {PRECISION_HINT: precision}
 
 
 def recorded_precision(folder: Path) -> str:
     record = folder / RECORD
-    return read_json_object(record, ExportError).get("precision", {}).get("runs_at", "f32") if record.exists() else "f32"
+    if not record.exists():
+        return "f32"
+    return read_json_object(record, ExportError).get("precision", {}).get("runs_at", "f32")
 
 
 def compiled_precision(exported) -> str:
@@ -725,8 +727,6 @@ def export_onnx(model_or_folder, out, task=None, opset=None, quantize=None, veri
     return export(model_or_folder, out, "onnx", task, opset, quantize, verify, force)
 
 
-def export_openvino(
-    model_or_folder, out, task=None, quantize=None, verify=True, force=False, precision="f32"
-) -> Path:
+def export_openvino(model_or_folder, out, task=None, quantize=None, verify=True, force=False, precision="f32") -> Path:
     """`export(..., format="openvino")`: `out/openvino_model.xml` and `.bin`, run by OpenVINO at `precision`."""
     return export(model_or_folder, out, "openvino", task, None, quantize, verify, force, precision)

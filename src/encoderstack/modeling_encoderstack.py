@@ -331,6 +331,7 @@ except Exception:  # absent before torch 2.10; a build whose kernels fail to loa
 varlen_attn, VARLEN_TAKES_SCALE = inspect_varlen_attn(varlen_attn) if varlen_attn is not None else (None, False)
 # sliding layers need its `window_size` (flash's inclusive (left, right)); where it has none, they run banded
 VARLEN_TAKES_WINDOW = varlen_attn is not None and "window_size" in inspect.signature(varlen_attn).parameters
+FLASH_TAKES_WINDOW = "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
 
 
 def cuda_capability(device: torch.device) -> tuple[int, int] | None:
@@ -360,6 +361,8 @@ class PlanFacts:
     sliding_window: int | None = None  # the sliding layers' radius; None when no layer slides
     longest: int = 0  # the longest sequence the layers see (the row's length where the lengths are not read)
     varlen_window: bool = True  # torch's varlen_attn takes `window_size`
+    flash_window: bool = True  # torch's flash kernel takes `window_size_left/right`
+    padded_tokens: int = 0  # batch x sequence length of the input
 
 
 @dataclass(frozen=True)
@@ -406,7 +409,7 @@ class ExecutionPlan:
 
 
 def flash_missing(facts: PlanFacts) -> str | None:
-    """Why no flash kernel (torch's `varlen_attn`, or SDPA's flash kernel under nested tensors) can run here; None
+    """Why no flash kernel (torch's `varlen_attn`, or its flash kernel called directly) can run here; None
     when one can."""
     checks = (
         (facts.backend == "sdpa", f"the {facts.backend} backend"),
@@ -440,14 +443,15 @@ def sliding_attention(facts: PlanFacts, plan: ExecutionPlan) -> tuple[str | None
     """How the sliding layers run on `plan`: a flash kernel's own window where one runs; a dense band mask where the
     forward is compiled or records attention maps (both run padded, and the maps are tokens x tokens anyway); flex
     attention's block-sparse band mask on CUDA; everywhere else `banded_attention`, O(tokens x window) (on CPU, flex
-    attention outside torch.compile computes every score; nested SDPA takes no window)."""
+    attention outside torch.compile computes every score)."""
     radius = facts.sliding_window
     if not facts.compiling and radius >= facts.longest - 1:  # compiled code must not branch on the length
         return None, f"the window (radius {radius}) covers every sequence ({facts.longest} tokens): run as full"
-    if plan.attention == VARLEN_ATTENTION:
-        if facts.varlen_window:
-            return VARLEN_ATTENTION, f"varlen_attn's window_size ({radius}, {radius})"
-        return BANDED_ATTENTION, "this varlen_attn has no window_size: banded over the packed row"
+    kernel_window = {VARLEN_ATTENTION: facts.varlen_window, FLASH_ATTENTION: facts.flash_window}
+    if plan.attention in kernel_window:
+        if kernel_window[plan.attention]:
+            return plan.attention, f"the flash kernel's window ({radius}, {radius})"
+        return BANDED_ATTENTION, "this torch's flash kernel takes no window: banded over the packed row"
     if is_flash_attention_requested(requested_attention_implementation=plan.attention):
         return plan.attention, f"flash's window ({radius}, {radius})"
     if facts.compiling or facts.recording:
@@ -461,6 +465,14 @@ def sliding_attention(facts: PlanFacts, plan: ExecutionPlan) -> tuple[str | None
         return "flex_attention", "a block-sparse band mask"
     where = "the packed row" if plan.packed else "the rows"
     return BANDED_ATTENTION, f"banded over {where}, O(tokens x window)"
+
+
+# Below this many tokens (batch x length) a GPU runs a padded batch at least as fast as its packed tokens: the step is
+# bound by kernel launches, and packing adds some. Measured on an H200, bert-base, bf16, packed / padded
+# (docs/benchmarks/gpu-h200-2026-12-04/): 3.5k tokens (32x108 text) 0.82-0.92 in training and 0.80 in inference, 4k
+# (32x128, 8x512) 0.95-1.03, 14k (128x108 text) 1.45 in inference, 16k (32x512) 0.97-1.03 in training, 32k (64 rows of
+# 64-512, a masked-LM step) 1.5, 64k (128x512) 1.67.
+GPU_PACKING_MIN_TOKENS = 8192
 
 
 def decide_kind(facts: PlanFacts) -> ExecutionPlan:
@@ -488,11 +500,13 @@ def decide_kind(facts: PlanFacts) -> ExecutionPlan:
         mask = "a block-sparse" if facts.backend == "flex_attention" else "a dense (tokens x tokens)"
         return plan("block_diagonal", f"{off[0]}: flattened rows get {mask} block-diagonal mask")
     missing = flash_missing(facts)
+    if missing is None and facts.inputs == "padded" and facts.padded_tokens < GPU_PACKING_MIN_TOKENS:
+        return plan("padded", f"{facts.padded_tokens} tokens: too few for packing to pay on a GPU (launch-bound)")
     if missing is None and facts.varlen_kernel and not facts.attention_dropout:
         return plan("varlen", "torch's varlen_attn: one call per layer", VARLEN_ATTENTION)
-    if missing is None:  # the same flash kernel, reached through SDPA, which takes dropout_p
+    if missing is None:  # the same flash kernel, called directly: it takes dropout_p
         why = "attention dropout in training" if facts.attention_dropout else "this torch has no usable varlen_attn"
-        return plan("varlen", f"{why}: SDPA over nested jagged tensors, one flash call per layer", NESTED_ATTENTION)
+        return plan("varlen", f"{why}: torch's flash kernel, dropout inside it, one call per layer", FLASH_ATTENTION)
     if facts.device_type == "cpu" or facts.inputs == "flattened":
         return plan("per_sequence", f"attention one sequence at a time (no varlen kernel: {missing})", PER_SEQUENCE)
     return plan("padded", f"no varlen kernel ({missing}): the padded batch beats one call per sequence")
@@ -583,13 +597,21 @@ def band_mask(length: int, radius: int, dtype, device) -> torch.Tensor:
     return mask[None, None]
 
 
+def flash_layout(query, key, value) -> tuple[torch.Tensor, ...]:
+    """(1, heads, tokens, head_dim) -> (tokens, heads, head_dim), the packed layout flash kernels take, in a dtype
+    they take: under autocast a norm inside attention (HybridNorm's QKV norms) leaves float32 where the projections
+    gave the autocast dtype."""
+    dtype = query.dtype if query.dtype in FLASH_DTYPES else torch.get_autocast_dtype(query.device.type)
+    return tuple(x.transpose(1, 2).squeeze(0).to(dtype) for x in (query, key, value))
+
+
 def varlen_attention(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs
 ):
     """torch's `varlen_attn` (flash, CUDA, half precision): every packed sequence in one call. It has no dropout
-    argument: when attention dropout trains, the plan names `nested_attention` instead. `sliding_window` is
+    argument: when attention dropout trains, the plan names `flash_attention` instead. `sliding_window` is
     transformers' kwarg (flash's inclusive window is `sliding_window - 1` keys either side, the radius)."""
-    query, key, value = (x.transpose(1, 2).squeeze(0) for x in (query, key, value))  # (tokens, heads, head_dim)
+    query, key, value = flash_layout(query, key, value)
     options = {"scale": scaling} if VARLEN_TAKES_SCALE else {}
     if sliding_window is not None:
         options["window_size"] = (sliding_window - 1, sliding_window - 1)
@@ -597,20 +619,18 @@ def varlen_attention(
     return context.unsqueeze(0), None
 
 
-def nested_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """SDPA over nested jagged tensors: on CUDA it reaches the same flash varlen kernel as `varlen_attn`, every packed
-    sequence in one call, and takes `dropout_p`; the lengths it reads are the packing's (no host sync)."""
-    offsets, lengths = kwargs["cu_seq_lens_q"].long(), kwargs.get("sequence_lengths")
-    known = {"min_seqlen": min(lengths) if lengths else None, "max_seqlen": kwargs.get("max_length_q")}
-
-    def nested(x):  # (1, heads, tokens, head_dim) -> (sequences, heads, jagged tokens, head_dim)
-        values = x.transpose(1, 2).squeeze(0).contiguous()  # a no-op for the layers' (tokens, heads, dim) views
-        return torch.nested.nested_tensor_from_jagged(values, offsets, **known).transpose(1, 2)
-
-    context = nn.functional.scaled_dot_product_attention(
-        nested(query), nested(key), nested(value), dropout_p=dropout, scale=scaling
-    )
-    return context.transpose(1, 2).values().unsqueeze(0), None
+def flash_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kw):
+    """torch's flash kernel on the packed tokens (`aten._flash_attention_forward`, the kernel SDPA reaches): every
+    sequence in one call per layer, with attention dropout inside the kernel. Its autograd formula hands the RNG
+    state the forward returns to `_flash_attention_backward`, which replays the same dropout mask."""
+    query, key, value = flash_layout(query, key, value)
+    cu_seq_lens, longest = kw["cu_seq_lens_q"], kw["max_length_q"]
+    radius = -1 if sliding_window is None else sliding_window - 1  # -1: no window
+    window = {"window_size_left": radius, "window_size_right": radius} if FLASH_TAKES_WINDOW else {}
+    context = torch.ops.aten._flash_attention_forward(
+        query, key, value, cu_seq_lens, cu_seq_lens, longest, longest, dropout, False, False, scale=scaling, **window
+    )[0]
+    return context.unsqueeze(0), None
 
 
 def band_block(radius: int) -> int:
@@ -670,10 +690,10 @@ def banded_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 VARLEN_ATTENTION, PER_SEQUENCE = "encoderstack_varlen", "encoderstack_per_sequence"
-NESTED_ATTENTION, BANDED_ATTENTION = "encoderstack_nested", "encoderstack_banded"
+FLASH_ATTENTION, BANDED_ATTENTION = "encoderstack_flash", "encoderstack_banded"
 AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
 AttentionInterface.register(PER_SEQUENCE, per_sequence_attention)
-AttentionInterface.register(NESTED_ATTENTION, nested_attention)
+AttentionInterface.register(FLASH_ATTENTION, flash_attention)
 AttentionInterface.register(BANDED_ATTENTION, banded_attention)
 
 
@@ -1189,25 +1209,30 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         `DataCollatorWithFlattening` gives) always get a packing, so that no sequence attends to its neighbours.
         """
         inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
-        self._check_inputs(*inputs)
-        shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:2])
-        device = input_ids.device if input_ids is not None else inputs_embeds.device
         if padding_free is None:
             padding_free = self.config.padding_free
         if not isinstance(padding_free, bool):
             raise ValueError(f"`padding_free` must be True, False or None, got {padding_free!r}.")
         real = attention_mask.bool() if attention_mask is not None and attention_mask.dim() == 2 else None
+        # a padded batch's lengths are read in the input checks' one host sync (rows that turn out flattened
+        # never use them)
+        counted = real if padding_free and "cu_seq_lens_q" not in kwargs else None
+        lengths = self._check_inputs(*inputs, lengths_of=counted)
+        shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:2])
+        device = input_ids.device if input_ids is not None else inputs_embeds.device
         packing = flattened_rows(position_ids, real, shape, device, kwargs)
         if position_ids is None:
             self._check_sequence_length(shape[1] if packing is None else packing.max_length)
-        lengths, kind = None, "whole" if packing is None else "flattened"
+        kind = "whole" if packing is None else "flattened"
         if packing is None and real is not None:
             kind = "padded"  # without padding_free, or compiled (which cannot branch on values), nothing packs
-            if padding_free and not torch.compiler.is_compiling():
-                lengths = real.sum(-1).tolist()  # the one host sync of a padded batch's plan
+            if lengths is not None:
                 kind = "padded" if any(lengths) and min(lengths) < shape[1] else "whole"
+        else:
+            lengths = None
         longest = max(lengths) if lengths else packing.max_length if packing is not None else shape[1]
-        plan = decide_plan(self.plan_facts(kind, device, padding_free, kwargs, longest))
+        facts = self.plan_facts(kind, device, padding_free, kwargs, longest)
+        plan = decide_plan(dataclasses.replace(facts, padded_tokens=shape[0] * shape[1]))
         if plan.sliding is not None and attention_mask is not None and attention_mask.dim() == 4:
             raise ValueError(
                 "A prepared 4-D `attention_mask` cannot carry the sliding layers' window: pass the 2-D padding mask."
@@ -1242,6 +1267,7 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
             sliding_window=config.sliding_window if "sliding_attention" in (config.layer_types or ()) else None,
             longest=longest,
             varlen_window=VARLEN_TAKES_WINDOW,
+            flash_window=FLASH_TAKES_WINDOW,
         )
 
     def _check_sequence_length(self, longest: int) -> None:
@@ -1253,8 +1279,10 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
                 f"(`max_position_embeddings` {limit}" + (f", counted from {offset})." if offset else ").")
             )
 
-    def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds):
-        """Turn the mistakes that would otherwise surface as an index error deep in a kernel into a clear message."""
+    def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, lengths_of=None):
+        """Turn the mistakes that would otherwise surface as an index error deep in a kernel into a clear message.
+        Given `lengths_of` (the padded batch's real tokens), also returns its row lengths, read in the same host sync
+        as the checked values (None when compiling: compiled code cannot branch on values)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
         hidden = self.config.embedding_size or self.config.hidden_size
@@ -1291,7 +1319,7 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
                 raise ValueError(f"`{name}` has shape {tuple(value.shape)}, but the inputs have shape {shape}.")
         limit, offset = self.config.max_position_embeddings, self.config.position_offset or 0
         if torch.compiler.is_compiling():
-            return
+            return None
         ranges = [
             ("input_ids", input_ids, 0, self.config.vocab_size),
             # a model without token types takes type 0 only: what a BERT tokenizer gives a single sentence
@@ -1306,10 +1334,14 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         if mask is not None:  # its values other than 0 and 1, counted, and read in the same sync as the ranges
             not_binary = ((mask != 0) & (mask != 1)).sum()
             bounds.append(torch.stack((not_binary, torch.zeros_like(not_binary))))
+        if lengths_of is not None:
+            bounds.append(lengths_of.sum(-1))
         if not bounds:
-            return
+            return None
         device = bounds[0].device
-        read = torch.stack([b.to(device) for b in bounds]).tolist()  # one host sync for all of them
+        values = torch.cat([b.to(device, torch.long) for b in bounds]).tolist()  # one host sync for all of them
+        read = [values[i : i + 2] for i in range(0, 2 * len(ranges) + 2 * (mask is not None), 2)]
+        lengths = values[len(values) - lengths_of.shape[0] :] if lengths_of is not None else None
         if mask is not None and read[-1][0]:
             raise ValueError(
                 f"`attention_mask` must hold 1 for real tokens and 0 for padding, got values "
@@ -1318,6 +1350,7 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         for (name, _, first, size), (low, high) in zip(ranges, read):
             if low < first or high >= size:
                 raise ValueError(f"`{name}` must lie in [{first}, {size - 1}], got values from {low} to {high}.")
+        return lengths
 
 
 @dataclass
@@ -1339,17 +1372,21 @@ def mean_loss(per_item: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
     return per_item.sum() / num_items_in_batch
 
 
-def cross_entropy(logits, labels, num_items_in_batch=None, ignore_index=-100):
+def cross_entropy(logits, labels, num_items_in_batch=None, ignore_index=-100, known_range=None):
+    """Mean cross-entropy over the labels that are not `ignore_index`, after checking their range: one host sync, or
+    none where the caller read the counted labels' `known_range` (lowest, highest) already."""
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"Class labels must be integers, got {labels.dtype}.")
     labels = labels.to(logits.device).reshape(-1)
     classes = logits.shape[-1]
     counts = labels != ignore_index
-    if not torch.compiler.is_compiling() and (counts & ((labels < 0) | (labels >= classes))).any():  # one host sync
-        counted = labels[counts]
+    unchecked = known_range is None and not torch.compiler.is_compiling()
+    if unchecked and (counts & ((labels < 0) | (labels >= classes))).any():  # one host sync
+        known_range = labels[counts].min().item(), labels[counts].max().item()
+    if known_range is not None and (known_range[0] < 0 or known_range[1] >= classes):
         raise ValueError(
             f"Class labels must lie in [0, {classes - 1}] (or be {ignore_index}, ignored), got values "
-            f"from {counted.min().item()} to {counted.max().item()}."
+            f"from {known_range[0]} to {known_range[1]}."
         )
     loss = nn.functional.cross_entropy(
         logits.float().reshape(labels.numel(), -1), labels, reduction="none", ignore_index=ignore_index
@@ -1411,9 +1448,16 @@ class Encoded:
         if self.real is not None:
             labels = labels.masked_fill(~self.real.to(labels.device), -100)
         labels = labels.reshape(-1)
-        labelled = (labels != -100).nonzero().squeeze(-1)  # one host sync: the number of labelled tokens
+        counts = labels != -100
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+            raise TypeError(f"Class labels must be integers, got {labels.dtype}.")
+        # one host sync: the number of labelled tokens, with their range for `cross_entropy`'s check
+        known = labels.where(counts, 0)
+        count, low, high = torch.stack((counts.sum(), known.min(), known.max())).tolist()
+        labelled = counts.nonzero_static(size=count).squeeze(-1)
         logits = head(hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, labelled))
-        return logits, cross_entropy(logits, labels.index_select(0, labelled), num_items_in_batch)
+        loss = cross_entropy(logits, labels.index_select(0, labelled), num_items_in_batch, known_range=(low, high))
+        return logits, loss
 
     @property
     def recorded(self) -> dict:
