@@ -1,6 +1,7 @@
 """EncoderStackConfig mirrors BertConfig's fields and rejects impossible settings with messages that say why."""
 
 import dataclasses
+import json
 
 import pytest
 from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassError
@@ -64,6 +65,9 @@ def test_a_config_survives_a_save_and_load(tmp_path):
     assert {key: value for key, value in loaded.to_dict().items() if key != "_name_or_path"} == saved
 
 
+ROTARY = {"position_embedding_type": "rope"}
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [
@@ -97,8 +101,20 @@ def test_a_config_survives_a_save_and_load(tmp_path):
         ({"resi_dual_scale": 0}, "`resi_dual_scale` must be a positive finite number, got 0"),
         ({"num_key_value_heads": 5}, "`num_key_value_heads` (5) must be a positive divisor of `num_attention_heads`"),
         ({"mlp_bias": "up"}, "Field 'mlp_bias' with value 'up' doesn't match any type"),
-        ({"rope_parameters": {"rope_type": "spiral"}}, "unknown rope_type 'spiral'"),
-        ({"rope_parameters": {"full_attention": {}, "global": {}}}, "names ['global'], which are not layer types"),
+        ({**ROTARY, "rope_parameters": ["linear"]}, "`rope_parameters` must be a dict or None, got ['linear']"),
+        ({**ROTARY, "rope_parameters": {"rope_type": "spiral"}}, "unknown rope_type 'spiral'"),
+        (
+            {**ROTARY, "rope_parameters": {"full_attention": {}, "global": {}}},
+            "names ['global'], which are not layer types",
+        ),
+        (
+            {**ROTARY, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0}},
+            "partial_rotary_factor must lie in (0, 1], got 0",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "default"}},
+            "`rope_parameters` needs rotary positions (position_embedding_type='rope'), got 'absolute'",
+        ),
         ({"prediction_head_size": 0}, "`prediction_head_size` must be a positive integer or None, got 0"),
     ],
 )
@@ -122,3 +138,40 @@ def test_every_float_field_refuses_nan_and_infinities():
 def test_a_field_of_the_wrong_type_is_rejected():
     with pytest.raises(StrictDataclassError, match="embedding_norm"):
         EncoderStackConfig(embedding_norm="yes")
+
+
+def has_rope_as_transformers_common_tests_see_it(config) -> bool:
+    """transformers 5.25's ModelTesterMixin runs its RoPE tests on a config with these two attributes."""
+    return hasattr(config, "rope_parameters") and hasattr(config, "max_position_embeddings")
+
+
+@pytest.mark.parametrize("position_embedding_type", ["absolute", "sinusoidal"])
+def test_a_config_without_rotary_positions_has_no_rope_parameters_even_when_loaded_from_an_old_file(
+    position_embedding_type, tmp_path
+):
+    config = EncoderStackConfig(position_embedding_type=position_embedding_type)
+    assert not has_rope_as_transformers_common_tests_see_it(config)
+    config.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_parameters" not in written
+    # Files saved before this change carry `"rope_parameters": null`.
+    (tmp_path / "config.json").write_text(json.dumps({**written, "rope_parameters": None}))
+    assert not has_rope_as_transformers_common_tests_see_it(AutoConfig.from_pretrained(tmp_path))
+
+
+def test_a_rotary_config_has_transformers_flat_rope_parameters_with_rope_theta():
+    config = EncoderStackConfig(position_embedding_type="rope", rope_theta=500.0)
+    assert has_rope_as_transformers_common_tests_see_it(config)
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 500.0}
+
+
+def test_a_saved_per_layer_type_rope_parameters_loads_unchanged(tmp_path):
+    """Configs saved before this change spelled `rope_parameters` out per layer type, whatever the layer types."""
+    per_type = {
+        "full_attention": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    EncoderStackConfig(position_embedding_type="rope").save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**written, "rope_parameters": per_type}))
+    assert AutoConfig.from_pretrained(tmp_path).rope_parameters == per_type

@@ -6,10 +6,10 @@ test_convert_modern.py; here, each mechanism on constructed configs."""
 import pytest
 import torch
 import transformers
-from conftest import batch, build, real
+from conftest import batch, build, real, tiny_config
 
 import encoderstack
-from encoderstack.modeling_encoderstack import EncoderStackRotaryEmbedding
+from encoderstack.modeling_encoderstack import EncoderStackRotaryEmbedding, apply_rotary
 
 ROPE = {"position_embedding_type": "rope", "rope_theta": 100.0}
 
@@ -110,12 +110,88 @@ def test_each_layer_gets_the_rotary_base_of_its_layer_type():
         torch.testing.assert_close((cos, sin), want, atol=1e-6, rtol=0)
 
 
-def test_one_rotary_dict_applies_to_every_layer_type_and_rope_theta_fills_a_missing_base():
+def test_one_flat_rotary_dict_applies_to_every_layer_type_and_rope_theta_fills_a_missing_base():
     config = build(encoderstack.EncoderStackModel, rope_parameters={"rope_type": "default"}, **ROPE).config
-    assert config.rope_parameters == {
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 100.0}  # transformers' flat form, kept
+    assert config.rope_parameters_by_type() == {
         layer_type: {"rope_type": "default", "rope_theta": 100.0}
         for layer_type in ("full_attention", "sliding_attention")
     }
+
+
+def test_a_flat_rotary_dict_gives_the_per_layer_type_dicts_numbers_on_full_and_sliding_layers():
+    fields = {"num_hidden_layers": 2, "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 2}
+    scaling = {"rope_type": "linear", "rope_theta": 100.0, "factor": 2.0}
+    flat = build(encoderstack.EncoderStackModel, rope_parameters=scaling, **fields, **ROPE)
+    per_type = build(
+        encoderstack.EncoderStackModel,
+        rope_parameters={"full_attention": dict(scaling), "sliding_attention": dict(scaling)},
+        **fields,
+        **ROPE,
+    )
+    inputs = batch()
+    with torch.no_grad():
+        assert torch.equal(flat(**inputs).last_hidden_state, per_type(**inputs).last_hidden_state)
+
+
+def set_rope_parameters_as_transformers_common_tests_do(config, parameters: dict):
+    """What transformers 5.25's ModelTesterMixin RoPE tests do to a built config: merge a flat dict into
+    `rope_parameters` by assignment (no `__init__` runs again)."""
+    config.rope_parameters = getattr(config, "rope_parameters", None) or {}
+    config.rope_parameters.update(parameters)
+
+
+def last_hidden_states(config, *inputs) -> list:
+    torch.manual_seed(42)  # the same weights for every config
+    model = encoderstack.EncoderStackModel(config).eval()
+    with torch.no_grad():
+        return [model(ids).last_hidden_state for ids in inputs]
+
+
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn"])
+def test_a_flat_rotary_scaling_merged_into_a_built_config_changes_outputs_as_transformers_common_test_expects(
+    rope_type,
+):
+    """transformers' `test_model_rope_scaling_from_config`: factor 10, on 10 tokens and on 1.5 x the trained length.
+    Dynamic NTK rescales only beyond `max_position_embeddings`, so the short input's outputs stay the same."""
+    config = tiny_config(max_position_embeddings=16, **ROPE)
+    short, long = torch.randint(1, 99, (1, 10)), torch.randint(1, 99, (1, 24))
+    default = {"rope_type": "default", "rope_theta": 10_000.0, "original_max_position_embeddings": 16384}
+    set_rope_parameters_as_transformers_common_tests_do(config, default)
+    original_short, original_long = last_hidden_states(config, short, long)
+    set_rope_parameters_as_transformers_common_tests_do(config, {"rope_type": rope_type, "factor": 10.0})
+    scaled_short, scaled_long = last_hidden_states(config, short, long)
+    if rope_type == "dynamic":
+        torch.testing.assert_close(scaled_short, original_short, atol=1e-5, rtol=1e-5)
+    else:
+        assert not torch.allclose(scaled_short, original_short, atol=1e-5)
+    assert not torch.allclose(scaled_long, original_long, atol=1e-5)
+
+
+@pytest.mark.parametrize("rope_type", ["default", "linear"])
+def test_partial_rotation_turns_the_leading_share_of_each_head_and_passes_the_rest_through(rope_type):
+    """transformers' `partial_rotary_factor` (its test for it sets it on a built config, flat): the rotary tables span
+    that share of the head, as transformers' own frequency functions compute them."""
+    config = tiny_config(**ROPE)
+    parameters = {"rope_type": rope_type, "partial_rotary_factor": 0.5} | (
+        {"factor": 2.0} if rope_type != "default" else {}
+    )
+    set_rope_parameters_as_transformers_common_tests_do(config, parameters)
+    model = encoderstack.EncoderStackModel(config).eval()
+    positions = torch.arange(9)[None]
+    cos, sin = model.rotary(positions, torch.float32)["full_attention"]
+    scale = 2.0 if rope_type == "linear" else 1.0
+    torch.testing.assert_close((cos, sin), rotary_tables(100.0, positions / scale, head_dim=4), atol=1e-6, rtol=0)
+    x = torch.randn(1, 9, 4, 8)
+    rotated = apply_rotary(x, cos, sin)
+    assert torch.equal(rotated[..., 4:], x[..., 4:])
+    first, second = x[..., :4].chunk(2, dim=-1)
+    torch.testing.assert_close(rotated[..., :4], x[..., :4] * cos + torch.cat((-second, first), dim=-1) * sin)
+    full = build(encoderstack.EncoderStackModel, **ROPE)
+    full.load_state_dict(model.state_dict())
+    inputs = batch()
+    with torch.no_grad():
+        assert not torch.allclose(model(**inputs).last_hidden_state, full(**inputs).last_hidden_state, atol=1e-5)
 
 
 def test_linear_rotary_scaling_equals_the_default_rotary_at_scaled_positions():

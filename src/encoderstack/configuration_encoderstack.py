@@ -79,10 +79,13 @@ class EncoderStackConfig(PreTrainedConfig):
         Base of the rotary frequencies, used with `position_embedding_type="rope"` where `rope_parameters` names
         none.
     rope_parameters (`dict`, *optional*):
-        transformers' rotary parameters: one dict for every layer (`{"rope_type": "default", "rope_theta": 1e4}`;
-        `rope_type` one of transformers' `ROPE_INIT_FUNCTIONS`, with its own keys, e.g. `"factor"`), or one per layer
-        type (`{"full_attention": {...}, "sliding_attention": {...}}`: ModernBERT's global and local bases). `None`:
-        the default rotary with `rope_theta` everywhere. The frequencies are transformers' own functions'.
+        Rotary positions only: transformers' rotary parameters, kept in the form given. Flat, for every layer type
+        (`{"rope_type": "default", "rope_theta": 1e4}`; `rope_type` one of transformers' `ROPE_INIT_FUNCTIONS`, with
+        its own keys, e.g. `"factor"`; `"partial_rotary_factor"` rotates that leading share of each head), or one
+        dict per layer type (`{"full_attention": {...}, "sliding_attention": {...}}`: ModernBERT's global and local
+        bases). `rope_theta` fills a missing base; `None` is `{"rope_type": "default", "rope_theta": rope_theta}`. A
+        config without rotary positions has no `rope_parameters` attribute (as transformers' configs of models without
+        RoPE), so transformers' RoPE tests skip it. The frequencies are transformers' own functions'.
     num_key_value_heads (`int`, *optional*):
         Grouped-query attention: the number of key/value heads, each shared by `num_attention_heads /
         num_key_value_heads` query heads (EuroBERT). `None`: one per query head.
@@ -179,7 +182,6 @@ class EncoderStackConfig(PreTrainedConfig):
     head_layout: HeadLayout = "bert"
     layer_types: list[LayerType] | None = None
     sliding_window: int | None = None
-    rope_parameters: dict | None = None
     num_key_value_heads: int | None = None
     attention_bias: bool = True
     mlp_bias: bool | Literal["down"] = True
@@ -189,24 +191,28 @@ class EncoderStackConfig(PreTrainedConfig):
     decoder_bias: bool = True
     prediction_head_size: int | None = None
 
-    def convert_rope_params_to_dict(self, **kwargs):
-        """transformers would write a `rope_parameters` into every config; this one keeps `None` (rope_theta
-        everywhere) and spells a given one out per layer type, with `rope_theta` where it names none."""
-        given = self.rope_parameters
-        if isinstance(given, dict) and not (any(k in LAYER_TYPES for k in given) and set(given) - set(LAYER_TYPES)):
-            self.rope_parameters = self.rope_parameters_by_type()  # (a mixed dict is left for validation to name)
-        return kwargs
+    def __post_init__(self, **kwargs):
+        # Not a field: only a rotary config has the attribute, which transformers then standardizes (flat or per type)
+        rope_parameters = kwargs.pop("rope_parameters", None)
+        if rope_parameters is not None or self.position_embedding_type == "rope":
+            self.rope_parameters = rope_parameters
+        super().__post_init__(**kwargs)
 
-    def standardize_rope_params(self):
-        """Already standard: `rope_parameters` is kept per layer type (see `convert_rope_params_to_dict`)."""
+    def convert_rope_params_to_dict(self, **kwargs):
+        if not isinstance(self.rope_parameters, dict | None):
+            return kwargs  # left for validation to name
+        return super().convert_rope_params_to_dict(**kwargs)
 
     def nested_rope_parameter_keys(self, rope_parameters):
+        """Keys naming a layer type, declared or not: configs saved before `rope_parameters` kept the flat form spelled
+        it out per layer type whatever `layer_types` said."""
         return [key for key in rope_parameters if key in LAYER_TYPES]
 
     def rope_parameters_by_type(self) -> dict:
-        """{layer type: that type's rotary parameters}, each with its `rope_type` and `rope_theta`."""
-        given = self.rope_parameters or {}
-        nested = any(key in LAYER_TYPES for key in given)
+        """{layer type: that type's rotary parameters}, each with its `rope_type` and `rope_theta`: a flat
+        `rope_parameters` (even one assigned after `__init__`) serves every layer type."""
+        given = getattr(self, "rope_parameters", None) or {}
+        nested = self.nested_rope_parameter_keys(given)
         return {
             layer_type: {
                 "rope_type": "default",
@@ -260,7 +266,7 @@ class EncoderStackConfig(PreTrainedConfig):
                 f"`num_key_value_heads` ({kv_heads}) must be a positive divisor of `num_attention_heads` "
                 f"({self.num_attention_heads})."
             )
-        if self.rope_parameters is not None:
+        if hasattr(self, "rope_parameters"):
             self.check_rope_parameters()
         if self.prediction_head_size is not None and self.prediction_head_size <= 0:
             raise ValueError(
@@ -284,6 +290,11 @@ class EncoderStackConfig(PreTrainedConfig):
     def check_rope_parameters(self):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+        if self.position_embedding_type != "rope":
+            raise ValueError(
+                "`rope_parameters` needs rotary positions (position_embedding_type='rope'), got "
+                f"{self.position_embedding_type!r}."
+            )
         if not isinstance(self.rope_parameters, dict):
             raise ValueError(f"`rope_parameters` must be a dict or None, got {self.rope_parameters!r}.")
         unknown = [key for key in self.rope_parameters if key not in LAYER_TYPES]
@@ -300,6 +311,11 @@ class EncoderStackConfig(PreTrainedConfig):
             if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
                 raise ValueError(
                     f"`rope_parameters` ({layer_type}): rope_theta must be a positive number, got {theta}."
+                )
+            share = parameters.get("partial_rotary_factor", 1.0)
+            if not (isinstance(share, (int, float)) and 0 < share <= 1):
+                raise ValueError(
+                    f"`rope_parameters` ({layer_type}): partial_rotary_factor must lie in (0, 1], got {share}."
                 )
 
 

@@ -9,6 +9,7 @@ Self-contained on purpose (imports torch, transformers and `.configuration_encod
 copies this file next to the weights so that `trust_remote_code=True` works without the package.
 """
 
+import copy
 import dataclasses
 import inspect
 import math
@@ -145,15 +146,18 @@ class EncoderStackRotaryEmbedding(nn.Module):
     """cos/sin tables of rotary position embedding (RoFormer), one pair per layer type (each type its own base or
     scaling: `config.rope_parameters`), computed once per forward and shared by the layers of that type. Frequencies
     other than the default rotary's, and their dynamic updates, are transformers' own functions, as the families'
-    classes call them (their attribute names follow ModernBERT's rotary embedding, which those functions read)."""
+    classes call them (their attribute names follow ModernBERT's rotary embedding, which those functions read). With
+    a `partial_rotary_factor`, the tables span that leading share of each head."""
 
     def __init__(self, config: EncoderStackConfig):
         super().__init__()
-        self.config = config
+        parameters = config.rope_parameters_by_type()
+        # transformers' functions read `config.rope_parameters[layer_type]`: they get the per-type form of a flat one
+        self.config = copy.copy(config)
+        self.config.rope_parameters = parameters
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
         self.layer_types = sorted({layer_type_of(config, index) for index in range(config.num_hidden_layers)})
-        parameters = config.rope_parameters_by_type()
         self.rope_type = {layer_type: parameters[layer_type]["rope_type"] for layer_type in self.layer_types}
         self.theta = {layer_type: parameters[layer_type]["rope_theta"] for layer_type in self.layer_types}
         for layer_type in self.layer_types:
@@ -165,7 +169,8 @@ class EncoderStackRotaryEmbedding(nn.Module):
     def compute_inv_freq(self, layer_type: str) -> tuple[torch.Tensor, float]:
         if self.rope_type[layer_type] != "default":
             return ROPE_INIT_FUNCTIONS[self.rope_type[layer_type]](self.config, None, layer_type=layer_type)
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim
+        dim = int(self.head_dim * self.config.rope_parameters[layer_type].get("partial_rotary_factor", 1.0))
+        exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
         return 1.0 / (self.theta[layer_type] ** exponents), 1.0
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -183,6 +188,9 @@ class EncoderStackRotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if cos.shape[-1] < x.shape[-1]:  # partial rotation: the rest of each head passes through
+        rotated, rest = x.split((cos.shape[-1], x.shape[-1] - cos.shape[-1]), dim=-1)
+        return torch.cat((apply_rotary(rotated, cos, sin), rest), dim=-1)
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-second, first), dim=-1) * sin
 

@@ -102,11 +102,13 @@ def architecture_rows(config: EncoderStackConfig, class_name: str) -> list[tuple
         "sinusoidal": "fixed sinusoids (2017 Transformer)",
         "rope": f"rotary, θ = {config.rope_theta:g}",
     }[config.position_embedding_type]
-    if config.position_embedding_type == "rope" and config.rope_parameters is not None:
+    if config.position_embedding_type == "rope":
         types = sorted(set(config.layer_types or ["full_attention"]))
-        rows = {name: config.rope_parameters[name] for name in types}
+        rows = {name: config.rope_parameters_by_type()[name] for name in types}
         positions = "rotary, " + "; ".join(
-            f"{name}: θ = {row['rope_theta']:g}" + ("" if row["rope_type"] == "default" else f" ({row['rope_type']})")
+            (f"{name}: " if len(rows) > 1 else "")
+            + f"θ = {row['rope_theta']:g}"
+            + ("" if row["rope_type"] == "default" else f" ({row['rope_type']})")
             for name, row in rows.items()
         )
     return [
