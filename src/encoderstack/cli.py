@@ -4,6 +4,7 @@ transformers, fine-tune or pre-train it, export it back to BERT, to ONNX or to O
 it to the Hub, and diagnose how each normalization placement trains."""
 
 import argparse
+import functools
 import json
 import sys
 
@@ -158,13 +159,44 @@ class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class TwoNamesForOneSetting(Exception):
+    """`--output a --output_dir b`: argparse would keep the last one without a word."""
+
+
+class OneNamePerSetting(argparse.Action):
+    """Mixed into every option's action: the first option string that set a destination is the only one allowed
+    (the same option given twice is argparse's usual last-one-wins)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        first = parser.names_given.setdefault(self.dest, option_string)
+        if first != option_string:
+            raise TwoNamesForOneSetting(f"{first} and {option_string} both set {self.dest}; give one")
+        super().__call__(parser, namespace, values, option_string)
+
+
 class Parser(HfArgumentParser):
     """`add_subparsers` makes every subcommand's parser of this class too, so that each help shows the defaults, and
-    a subcommand's `dataclass_types` (transformers' `HfArgumentParser`) become its options."""
+    a subcommand's `dataclass_types` (transformers' `HfArgumentParser`) become its options, each settable under one
+    of its names only (`OneNamePerSetting`)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", DefaultsShown)
+        self.names_given = {}
         super().__init__(*args, **kwargs)
+
+    def _add_action(self, action):
+        if action.option_strings and action.dest is not argparse.SUPPRESS:
+            action.__class__ = one_name_per_setting(type(action))
+        return super()._add_action(action)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.names_given = {}
+        return super().parse_known_args(args, namespace)
+
+
+@functools.cache
+def one_name_per_setting(action_class: type) -> type:
+    return type(action_class.__name__, (OneNamePerSetting, action_class), {})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,7 +280,11 @@ def main(argv=None) -> int:
 
 
 def run(argv: list[str]) -> int:
-    args = build_parser().parse_args(negative_numbers_attached(argv))
+    try:
+        args = build_parser().parse_args(negative_numbers_attached(argv))
+    except TwoNamesForOneSetting as error:
+        print(f"encoderstack: error: {error}", file=sys.stderr)
+        return 2
     from .conversion import ConversionError
     from .conversion.tf_checkpoint import TFCheckpointError
     from .exporters import ExportError

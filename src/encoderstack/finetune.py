@@ -406,7 +406,7 @@ def finetune(model=None, output=None, **settings) -> dict:
 
     Settings, model folder and data are all checked before any model is loaded (FinetuneError, DataError)."""
     ours, trainer_settings = settings_from(
-        {"model": model, **({"output_dir": output} if output is not None else {}), **settings},
+        {"model": model, **({"output": output} if output is not None else {}), **settings},
         FinetuneArguments,
         FinetuneTrainingArguments,
     )

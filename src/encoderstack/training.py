@@ -84,17 +84,19 @@ class CommandTrainingArguments(transformers.TrainingArguments):
 
 def settings_from(values: dict, *types) -> list[dict]:
     """`values` (keywords named as the fields of the dataclasses `types`, or as their aliases) as one keyword dict per
-    dataclass; an unknown name is refused."""
+    dataclass; an unknown name, and two names for one field, are refused."""
     names = {}
     for kind in types:
         for field in (field for field in dataclasses.fields(kind) if field.init):
             for alias in (field.name, *field.metadata.get("aliases", ())):
                 names[alias.lstrip("-").replace("-", "_")] = (kind, field.name)
-    split = {kind: {} for kind in types}
+    split, given = {kind: {} for kind in types}, {}
     for key, value in values.items():
         if key not in names:
             raise TrainingError(f"unknown setting {key!r}")
         kind, name = names[key]
+        if (first := given.setdefault(name, key)) != key:
+            raise TrainingError(f"{first} and {key} both set {name}; give one")
         split[kind][name] = value
     return [split[kind] for kind in types]
 
