@@ -95,6 +95,8 @@ def write(path, text):
         ("text,label\nfine,positive\n,negative\n", None, r"train.csv: row 3: missing column 'text'"),
         ("text\nfine\n", None, r"train.csv: row 2: missing column 'label'"),
         ("", None, r"train.csv: no rows"),
+        ("text,label\n", None, r"train.csv: a header and no rows$"),
+        ("text,label\nfine,positive\nbad,negative\n", "text,label\n\n", r"dev.csv: a header and no rows$"),
         (
             "text,label\nfine,positive\nbad,negative\n",
             "text,label\nok,positive\nhmm,neutral\n",

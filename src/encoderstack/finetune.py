@@ -128,7 +128,10 @@ def read_rows(path, cache):
     with datasets_offline(progress=False) as datasets:
         options = {}
         if not json_lines:  # every cell a string, an empty one "" (pandas would guess numbers, dates and NaN)
-            header = next(csv.reader(io.StringIO(text)), [])
+            records = csv.reader(io.StringIO(text))
+            header = next(records, [])
+            if not any(records):  # datasets would fail with "corresponds to no data"
+                raise DataError(f"{path}: a header and no rows")
             strings = datasets.Features(dict.fromkeys(header, datasets.Value("string")))
             options = {"keep_default_na": False, "features": strings}
         try:
