@@ -289,6 +289,11 @@ class Task:
             raise DataError(f"{path}: row {row['_row']}: the answer lies beyond max_length={max_length} tokens")
         return {**features, "start_positions": first[0], "end_positions": last[0]}
 
+    @property
+    def metric_names(self) -> tuple:
+        """What `metrics` returns."""
+        return ("exact_match",) if self.name == "question-answering" else ("accuracy", "f1")
+
     def metrics(self, prediction: transformers.EvalPrediction) -> dict:
         if self.name == "question-answering":
             start_logits, end_logits = prediction.predictions[:2]
@@ -416,7 +421,8 @@ def finetune(model=None, output=None, **settings) -> dict:
     run = FinetuneArguments(**ours)
     spec = TASKS[run.task]
     args = FinetuneTrainingArguments(**{"metric_for_best_model": spec.metric, **trainer_settings})
-    args.require("finetune", load_best_model_at_end=True)
+    labels = ("start_positions", "end_positions") if run.task == "question-answering" else ("labels",)
+    args.check_run("finetune", spec.metric_names, labels, load_best_model_at_end=True)
     require_matplotlib("plots")
     # before any work: the output is usable, and no input lies where the run writes, replaces or deletes
     destination = OutputFolder(

@@ -144,8 +144,6 @@ class PretrainTrainingArguments(CommandTrainingArguments):
     remove_unused_columns: bool = setting(False, "pretrain's collator needs every column")
 
     def __post_init__(self):
-        if not (self.max_steps == -1 or is_integer(self.max_steps) and self.max_steps > 0):
-            raise PretrainError(f"max_steps must be a positive integer, got {self.max_steps!r}")
         if self.save_steps is None:
             self.save_steps = self.eval_steps
         if self.lr_scheduler_type == "constant" and self.warmup_steps:
@@ -585,7 +583,7 @@ def pretrain(**settings) -> dict:
     ours, trainer_settings = settings_from(settings, PretrainArguments, PretrainTrainingArguments)
     run = PretrainArguments(**ours)
     args = PretrainTrainingArguments(**trainer_settings)
-    args.require("pretrain", load_best_model_at_end=True, remove_unused_columns=False)
+    args.check_run("pretrain", METRICS, ("labels",), load_best_model_at_end=True, remove_unused_columns=False)
     require_matplotlib("pretrain")
     # before any work: no input may lie where the run writes, replaces or deletes
     inputs = [run.model, run.config, run.tokenizer, run.train, run.eval]
