@@ -1,7 +1,5 @@
-"""EncoderStack: BERT's encoder stack with the normalization placement as a config choice. Convert a BERT checkpoint
-(folder, Hub id or Google TensorFlow release; by default the embedded all-MiniLM-L6-v2) and verify it against
-transformers, fine-tune or pre-train it, export it back to BERT, to ONNX or to OpenVINO, write its model card and push
-it to the Hub, and diagnose how each normalization placement trains."""
+"""The `encoderstack` command's parsers and what each command runs (the console script, `encoderstack_cli`, hands
+every command over to `main` here)."""
 
 import argparse
 import functools
@@ -10,8 +8,9 @@ import sys
 
 from transformers import HfArgumentParser
 
+from encoderstack_cli import COMMANDS, top_parser
+
 from .commands import DEFAULT_OUTPUT, embedded_default
-from .version import __version__
 
 EMBEDDED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -124,10 +123,7 @@ def add_export_command(commands, format_name: str, runtime: str, quantizer: str)
     """`export-onnx` and `export-openvino`: the same options (ONNX's opset aside), one function behind them."""
     from .conversion import TASKS
 
-    command = commands.add_parser(
-        f"export-{format_name}",
-        help=f"export to {runtime}'s format through transformers.exporters (padded path) and verify it there",
-    )
+    command = commands.add_parser(f"export-{format_name}", help=COMMANDS[f"export-{format_name}"])
     command.add_argument("model", help="EncoderStack folder")
     command.add_argument("output", help="output folder (what transformers' ExportedModel.from_pretrained loads)")
     command.add_argument("--task", choices=sorted(TASKS), help="head to load (default: the folder's architecture)")
@@ -205,11 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .commands.training import add_training_commands
     from .conversion import TASKS
 
-    parser = Parser(prog="encoderstack", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser, commands = top_parser(Parser)
 
-    convert = commands.add_parser("convert", help="convert a BERT checkpoint and verify parity with BertModel")
+    convert = commands.add_parser("convert", help=COMMANDS["convert"])
     convert.add_argument("source", nargs="?", help="BERT folder or Hub id (default: the embedded all-MiniLM-L6-v2)")
     convert.add_argument("output", nargs="?", help=f"output folder (default: ./{DEFAULT_OUTPUT})")
     convert.add_argument("--task", choices=sorted(TASKS), help="head to convert to (default: from the checkpoint)")
@@ -237,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_training_commands(commands)
 
-    export = commands.add_parser("export-bert", help="turn a post-LN EncoderStack folder back into a BERT folder")
+    export = commands.add_parser("export-bert", help=COMMANDS["export-bert"])
     export.add_argument("source", help="post-LN EncoderStack folder")
     export.add_argument("output", help="output folder (a BERT checkpoint)")
     export.add_argument("--force", action="store_true", help="replace an existing output folder")
