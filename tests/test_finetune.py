@@ -112,6 +112,11 @@ def test_bad_data_fails_before_training_with_the_row_number(tiny, tmp_path, trai
     assert not (tmp_path / "out").exists()
 
 
+def test_a_csv_cell_longer_than_the_csv_module_s_field_limit_is_read(tmp_path):
+    path = write(tmp_path / "big.csv", "text,label\n" + "x" * 200_000 + ",pos\n")  # csv's limit: 131072
+    assert len(read_rows(path, tmp_path / "cache")[0]["text"]) == 200_000
+
+
 def test_json_lines_rows_carry_their_line_numbers(tmp_path):
     path = write(tmp_path / "rows.jsonl", '{"text": "a", "label": "x"}\n\n{"text": "b", "label": "y"}\n')
     assert read_rows(path, tmp_path)["_row"] == [1, 3]

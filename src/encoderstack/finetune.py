@@ -128,9 +128,9 @@ def read_rows(path, cache):
     with datasets_offline(progress=False) as datasets:
         options = {}
         if not json_lines:  # every cell a string, an empty one "" (pandas would guess numbers, dates and NaN)
-            records = csv.reader(io.StringIO(text))
-            header = next(records, [])
-            if not any(records):  # datasets would fail with "corresponds to no data"
+            stream = io.StringIO(text)
+            header = next(csv.reader(stream), [])
+            if not stream.read().strip():  # what follows the header: datasets would say "corresponds to no data"
                 raise DataError(f"{path}: a header and no rows")
             strings = datasets.Features(dict.fromkeys(header, datasets.Value("string")))
             options = {"keep_default_na": False, "features": strings}
