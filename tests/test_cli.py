@@ -1,12 +1,19 @@
-"""The command line itself: Ctrl-C, numbers argparse would misread, the help of every option, `--version`."""
+"""The command line itself: Ctrl-C, numbers argparse would misread, the help of every option, `--version` and the
+top-level help without torch."""
 
 import argparse
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import tiny_model_folder
 from test_convert_bert import bert_folder
 
 import encoderstack
+import encoderstack_cli
 from encoderstack.cli import build_parser, main
 from encoderstack.conversion import converter
 
@@ -21,6 +28,7 @@ COMMANDS = (
     "push",
     "diagnose",
 )
+SRC = Path(encoderstack_cli.__file__).parent
 SENTIMENT = "text,label\ngood film,pos\nbad film,neg\nfine film,pos\nawful film,neg\n"
 
 
@@ -113,6 +121,40 @@ def test_version_prints_the_package_version(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out == f"encoderstack {encoderstack.__version__}\n"
+
+
+def console_script(*argv) -> tuple[str, list[str]]:
+    """`encoderstack ARGV` as the console script runs it, in a fresh Python: (its stdout, then what it had imported
+    of torch, transformers and the encoderstack package)."""
+    assert 'encoderstack = "encoderstack_cli:main"' in (SRC.parent / "pyproject.toml").read_text()
+    probe = (
+        "import sys, encoderstack_cli\n"
+        "try:\n    encoderstack_cli.main()\nexcept SystemExit as exit:\n    assert exit.code == 0, exit.code\n"
+        "print([name for name in ('torch', 'transformers', 'encoderstack') if name in sys.modules])"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", probe, *argv], capture_output=True, text=True, env=env, timeout=300, check=True
+    )
+    *output, imported = result.stdout.splitlines()
+    return "\n".join(output), ast.literal_eval(imported)
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"]])
+def test_version_and_the_top_level_help_import_neither_torch_nor_transformers_nor_the_package(argv):
+    output, imported = console_script(*argv)
+    assert imported == []
+    assert output == (f"encoderstack {encoderstack.__version__}" if argv == ["--version"] else top_level_help())
+
+
+def top_level_help() -> str:
+    return build_parser().format_help().rstrip("\n")
+
+
+def test_a_command_s_own_help_comes_from_the_package_through_the_console_script():
+    output, imported = console_script("finetune", "--help")
+    assert imported == ["torch", "transformers", "encoderstack"]
+    assert "--weight_decay" in output and output.startswith("usage: encoderstack finetune")
 
 
 def test_every_option_of_every_command_has_a_help_text():

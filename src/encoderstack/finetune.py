@@ -128,7 +128,10 @@ def read_rows(path, cache):
     with datasets_offline(progress=False) as datasets:
         options = {}
         if not json_lines:  # every cell a string, an empty one "" (pandas would guess numbers, dates and NaN)
-            header = next(csv.reader(io.StringIO(text)), [])
+            stream = io.StringIO(text)
+            header = next(csv.reader(stream), [])
+            if not stream.read().strip():  # what follows the header: datasets would say "corresponds to no data"
+                raise DataError(f"{path}: a header and no rows")
             strings = datasets.Features(dict.fromkeys(header, datasets.Value("string")))
             options = {"keep_default_na": False, "features": strings}
         try:
@@ -286,6 +289,11 @@ class Task:
             raise DataError(f"{path}: row {row['_row']}: the answer lies beyond max_length={max_length} tokens")
         return {**features, "start_positions": first[0], "end_positions": last[0]}
 
+    @property
+    def metric_names(self) -> tuple:
+        """What `metrics` returns."""
+        return ("exact_match",) if self.name == "question-answering" else ("accuracy", "f1")
+
     def metrics(self, prediction: transformers.EvalPrediction) -> dict:
         if self.name == "question-answering":
             start_logits, end_logits = prediction.predictions[:2]
@@ -406,14 +414,15 @@ def finetune(model=None, output=None, **settings) -> dict:
 
     Settings, model folder and data are all checked before any model is loaded (FinetuneError, DataError)."""
     ours, trainer_settings = settings_from(
-        {"model": model, **({"output_dir": output} if output is not None else {}), **settings},
+        {"model": model, **({"output": output} if output is not None else {}), **settings},
         FinetuneArguments,
         FinetuneTrainingArguments,
     )
     run = FinetuneArguments(**ours)
     spec = TASKS[run.task]
     args = FinetuneTrainingArguments(**{"metric_for_best_model": spec.metric, **trainer_settings})
-    args.require("finetune", load_best_model_at_end=True)
+    labels = ("start_positions", "end_positions") if run.task == "question-answering" else ("labels",)
+    args.check_run("finetune", spec.metric_names, labels, load_best_model_at_end=True)
     require_matplotlib("plots")
     # before any work: the output is usable, and no input lies where the run writes, replaces or deletes
     destination = OutputFolder(

@@ -144,8 +144,6 @@ class PretrainTrainingArguments(CommandTrainingArguments):
     remove_unused_columns: bool = setting(False, "pretrain's collator needs every column")
 
     def __post_init__(self):
-        if not (self.max_steps == -1 or is_integer(self.max_steps) and self.max_steps > 0):
-            raise PretrainError(f"max_steps must be a positive integer, got {self.max_steps!r}")
         if self.save_steps is None:
             self.save_steps = self.eval_steps
         if self.lr_scheduler_type == "constant" and self.warmup_steps:
@@ -212,9 +210,10 @@ def documents(path: Path):
 
 
 def read_documents(files):
-    """The `datasets` generator: a row per document. `files` carries each file's sha256 so that the cache's
-    fingerprint changes with the contents."""
-    for index, (name, _digest) in enumerate(files):
+    """The `datasets` generator: a row per document. `files` carries each file's index (`datasets` calls the
+    generator once per file, with a list of one) and sha256 (so that the cache's fingerprint changes with the
+    contents)."""
+    for index, name, _digest in files:
         for line, text in documents(Path(name)):
             yield {"text": text, "file": index, "line": line}
 
@@ -224,7 +223,9 @@ def load_documents(files: dict, cache: Path):
     with datasets_offline() as datasets:
         try:
             return datasets.Dataset.from_generator(
-                read_documents, cache_dir=str(cache), gen_kwargs={"files": [(str(f), d) for f, d in files.items()]}
+                read_documents,
+                cache_dir=str(cache),
+                gen_kwargs={"files": [(i, str(f), d) for i, (f, d) in enumerate(files.items())]},
             )
         except datasets.exceptions.DatasetGenerationError as error:
             if isinstance(error.__cause__, DataError):
@@ -234,11 +235,12 @@ def load_documents(files: dict, cache: Path):
 
 def chunker(tokenizer, max_length: int, offsets: bool):
     """`datasets.map` function: each document's tokens, end to end, cut into sequences of at most `max_length`
-    ([CLS] ... [SEP]). With `offsets` (whole-word masking), character offsets that keep words apart across lines."""
-    body, cls, sep = max_length - 2, tokenizer.cls_token_id, tokenizer.sep_token_id
+    ([CLS] ... [SEP]), with the tokens of each that are not the unknown token counted (`known`). With `offsets`
+    (whole-word masking), character offsets that keep words apart across lines."""
+    body, cls, sep, unknown = max_length - 2, tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.unk_token_id
 
     def chunk(batch):
-        out = {"input_ids": [], "file": [], "length": [], **({"offsets": []} if offsets else {})}
+        out = {"input_ids": [], "file": [], "length": [], "known": [], **({"offsets": []} if offsets else {})}
         for text, file in zip(batch["text"], batch["file"]):
             lines = text.split("\n")
             encoded = tokenizer(lines, add_special_tokens=False, return_offsets_mapping=offsets, verbose=False)
@@ -252,6 +254,7 @@ def chunker(tokenizer, max_length: int, offsets: bool):
                 out["input_ids"].append([cls, *ids[start : start + body], sep])
                 out["file"].append(file)
                 out["length"].append(len(out["input_ids"][-1]))
+                out["known"].append(sum(token != unknown for token in ids[start : start + body]))
                 if offsets:
                     out["offsets"].append([(0, 0), *spans[start : start + body], (0, 0)])
         return out
@@ -580,7 +583,7 @@ def pretrain(**settings) -> dict:
     ours, trainer_settings = settings_from(settings, PretrainArguments, PretrainTrainingArguments)
     run = PretrainArguments(**ours)
     args = PretrainTrainingArguments(**trainer_settings)
-    args.require("pretrain", load_best_model_at_end=True, remove_unused_columns=False)
+    args.check_run("pretrain", METRICS, ("labels",), load_best_model_at_end=True, remove_unused_columns=False)
     require_matplotlib("pretrain")
     # before any work: no input may lie where the run writes, replaces or deletes
     inputs = [run.model, run.config, run.tokenizer, run.train, run.eval]
@@ -688,8 +691,11 @@ def prepare_text(
         for name, docs in (("train", train_docs), ("eval", eval_docs))
     )
     eval_source = eval if eval_files else f"{train} (its held-out evaluation documents)"
-    check_tokens(train_set, train_files, train)
-    check_tokens(eval_set, eval_files, eval_source)
+    # a training file's documents may all have been held out: its sequences are then all in the evaluation set
+    check_tokens(train_files, [train_set] if eval_files else [train_set, eval_set], tokenizer.unk_token)
+    check_tokens(eval_files, [eval_set], tokenizer.unk_token)
+    for where, split in ((train, train_set), (eval_source, eval_set)):
+        refuse_tokenless(where, len(split), len(split) and sum(split["known"]), tokenizer.unk_token)
     data = {
         "train": data_record(train_files, train_set),
         "eval": data_record(eval_files, eval_set) if eval_files else f"{len(eval_docs)} held-out training documents",
@@ -716,12 +722,26 @@ def prepare_text(
     return tokenizer, train_set, eval_set, data
 
 
-def check_tokens(chunks, files: dict, where) -> None:
-    """Text the tokenizer turns into nothing (control characters only, say) fails before training, named."""
-    counts = collections.Counter(chunks["file"]) if len(chunks) else collections.Counter()
-    empty = [file for index, file in enumerate(files) if not counts[index]]
-    if empty or not counts:
-        raise DataError(f"{empty[0] if empty else where}: no tokens (the tokenizer turns the text into nothing)")
+def check_tokens(files: dict, splits: list, unknown_token) -> None:
+    """Each of `files` (the index of each in the sequences' `file`), over its sequences in all of `splits`."""
+    sequences, known = collections.Counter(), collections.Counter()
+    for split in filter(len, splits):  # an empty split has no columns
+        for file, count in zip(split["file"], split["known"]):
+            sequences[file] += 1
+            known[file] += count
+    for index, file in enumerate(files):
+        refuse_tokenless(file, sequences[index], known[index], unknown_token)
+
+
+def refuse_tokenless(where, sequences: int, known: int, unknown_token) -> None:
+    """Text the tokenizer turns into nothing (control characters only, say), or into its unknown token only (text in
+    a script its vocabulary lacks), fails before training, named."""
+    if not sequences:
+        raise DataError(f"{where}: no tokens (the tokenizer turns the text into nothing)")
+    if not known:
+        raise DataError(
+            f"{where}: every token is the unknown token {unknown_token} (a tokenizer for another language or script?)"
+        )
 
 
 def mlm_trainer(

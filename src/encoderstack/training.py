@@ -32,6 +32,40 @@ def is_integer(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# What Trainer (or torch's optimizers) would take only to fail late, or to train to NaN: each number's range.
+NUMBER_RANGES = {
+    "num_train_epochs": ("a positive finite number", lambda v: is_finite(v) and v > 0),
+    "learning_rate": ("a positive finite number", lambda v: is_finite(v) and v > 0),
+    "weight_decay": ("a finite number, 0 or more", lambda v: is_finite(v) and v >= 0),
+    "adam_beta1": ("in [0, 1)", lambda v: is_finite(v) and 0 <= v < 1),
+    "adam_beta2": ("in [0, 1)", lambda v: is_finite(v) and 0 <= v < 1),
+    "adam_epsilon": ("a finite number, 0 or more", lambda v: is_finite(v) and v >= 0),
+    "max_grad_norm": ("a finite number, 0 or more", lambda v: is_finite(v) and v >= 0),
+    "warmup_steps": ("a finite number, 0 or more", lambda v: is_finite(v) and v >= 0),
+    "label_smoothing_factor": ("in [0, 1)", lambda v: is_finite(v) and 0 <= v < 1),
+    "neftune_noise_alpha": ("a positive finite number", lambda v: v is None or is_finite(v) and v > 0),
+    "eval_delay": ("a finite number, 0 or more", lambda v: is_finite(v) and v >= 0),
+    "logging_steps": ("a positive finite number", lambda v: is_finite(v) and v > 0),
+    "eval_steps": ("a positive finite number", lambda v: v is None or is_finite(v) and v > 0),
+    "save_steps": ("a positive finite number", lambda v: v is None or is_finite(v) and v > 0),
+    "max_steps": ("a positive integer, or -1 (num_train_epochs decides)", lambda v: v == -1 or is_integer(v) and v > 0),
+    "per_device_train_batch_size": ("a positive integer", lambda v: is_integer(v) and v > 0),
+    "per_device_eval_batch_size": ("a positive integer", lambda v: is_integer(v) and v > 0),
+    "gradient_accumulation_steps": ("a positive integer", lambda v: is_integer(v) and v > 0),
+    "eval_accumulation_steps": ("a positive integer", lambda v: v is None or is_integer(v) and v > 0),
+    "save_total_limit": ("a positive integer", lambda v: v is None or is_integer(v) and v > 0),
+    "dataloader_num_workers": ("an integer, 0 or more", lambda v: is_integer(v) and v >= 0),
+    "seed": ("an integer in [0, 2**32)", lambda v: is_integer(v) and 0 <= v < 2**32),
+    "data_seed": ("an integer in [0, 2**32)", lambda v: v is None or is_integer(v) and 0 <= v < 2**32),
+}
+# Optimizers whose own checks need the model (its target modules): Trainer makes them; only their package is ours.
+NEEDS_THE_MODEL = ("galore", "apollo", "lomo", "adalomo")
+
+
 def setting(default, help: str, *aliases: str):
     """A dataclass field that `HfArgumentParser` turns into `--name` (and `--na-me`) plus `aliases`."""
     return dataclasses.field(
@@ -57,44 +91,78 @@ class CommandTrainingArguments(transformers.TrainingArguments):
     accelerator_config: dict | str | None = dataclasses.field(default=None, init=False)
 
     def __post_init__(self):
+        """Every value checked here, when the settings are made, before any data or model: transformers' own checks
+        (its `__post_init__`), and what it leaves to Trainer, which fails late or trains to NaN on it: numbers out
+        of range (`NUMBER_RANGES`), a tracker in `report_to` that is not installed, an optimizer whose package is
+        missing. What the run produces is `check_run`'s."""
         if self.use_cpu is None:
             self.use_cpu = not torch.cuda.is_available()
-        for name in ("num_train_epochs", "learning_rate"):
-            value = getattr(self, name)
-            if not (
-                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-            ):
-                raise TrainingError(f"{name} must be a positive finite number, got {value!r}")
-        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-            if not (is_integer(getattr(self, name)) and getattr(self, name) > 0):
-                raise TrainingError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if not (is_integer(self.seed) and 0 <= self.seed < 2**32):
-            raise TrainingError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        for name, (expected, allowed) in NUMBER_RANGES.items():
+            if not allowed(getattr(self, name)):
+                raise TrainingError(f"{name} must be {expected}, got {getattr(self, name)!r}")
         try:
             super().__post_init__()
         except ValueError as error:  # an optimizer name, a precision this machine lacks, ...
             raise TrainingError(f"training settings: {' '.join(str(error).split())}") from None
+        self.check_trackers()
+        self.check_optimizer()
 
-    def require(self, command: str, **values) -> None:
-        """The fields `command` sets itself (its best checkpoint, its own resume, ...): any other value is refused."""
+    def check_trackers(self) -> None:
+        from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+
+        installed = get_available_reporting_integrations()
+        for name in self.report_to:
+            if name not in INTEGRATION_TO_CALLBACK:
+                known = ", ".join(sorted(INTEGRATION_TO_CALLBACK))
+                raise TrainingError(f"report_to: {name!r} is not a tracker transformers reports to ({known})")
+            if name not in installed:
+                raise TrainingError(f"report_to: {name} is not installed (installed: {', '.join(installed) or 'none'})")
+
+    def check_optimizer(self) -> None:
+        optim = transformers.training_args.OptimizerNames(self.optim).value
+        try:
+            transformers.Trainer.get_optimizer_cls_and_kwargs(self)
+        except ImportError as error:
+            raise TrainingError(f"optim {optim}: {' '.join(str(error).split())}") from None
+        except ValueError as error:  # torch_xla's, torchdistx's, grokadamw's missing package; GaLore's missing model
+            if not optim.startswith(NEEDS_THE_MODEL):
+                raise TrainingError(f"optim {optim}: {' '.join(str(error).split())}") from None
+
+    def check_run(self, command: str, metrics: tuple, labels: tuple, **values) -> None:
+        """What `command`'s run produces: `metrics` (its evaluation's, `loss` besides) for `metric_for_best_model`,
+        `labels` (its batches' label columns) for `label_names`; and the fields `command` sets itself (`values`: its
+        best checkpoint, its own resume, ...), any other value of which is refused."""
         for name, value in values.items():
             if getattr(self, name) != value:
                 raise TrainingError(f"{name}={getattr(self, name)!r}: {command} needs {value!r} here")
+        metric = self.metric_for_best_model
+        if metric is not None and metric.removeprefix("eval_") not in ("loss", *metrics):
+            raise TrainingError(
+                f"metric_for_best_model {metric!r}: {command} evaluates {', '.join(('loss', *metrics))} "
+                "(with or without eval_)"
+            )
+        for name in self.label_names or ():
+            if name not in labels:
+                raise TrainingError(
+                    f"label_names: {command}'s batches have no {name!r} (their labels: {', '.join(labels)})"
+                )
 
 
 def settings_from(values: dict, *types) -> list[dict]:
     """`values` (keywords named as the fields of the dataclasses `types`, or as their aliases) as one keyword dict per
-    dataclass; an unknown name is refused."""
+    dataclass; an unknown name, and two names for one field, are refused."""
     names = {}
     for kind in types:
         for field in (field for field in dataclasses.fields(kind) if field.init):
             for alias in (field.name, *field.metadata.get("aliases", ())):
                 names[alias.lstrip("-").replace("-", "_")] = (kind, field.name)
-    split = {kind: {} for kind in types}
+    split, given = {kind: {} for kind in types}, {}
     for key, value in values.items():
         if key not in names:
             raise TrainingError(f"unknown setting {key!r}")
         kind, name = names[key]
+        if (first := given.setdefault(name, key)) != key:
+            raise TrainingError(f"{first} and {key} both set {name}; give one")
         split[kind][name] = value
     return [split[kind] for kind in types]
 

@@ -5,6 +5,8 @@ import dataclasses
 import sys
 import time
 
+from encoderstack_cli import COMMANDS
+
 from ..configuration_encoderstack import NORM_PLACEMENTS
 from ..diagnostics.corpus import STDLIB
 from ..diagnostics.report import QUICK, ReportSettings, run_report
@@ -52,7 +54,7 @@ def add_diagnose_command(commands) -> argparse.ArgumentParser:
     full, quick = ReportSettings(), QUICK
     diagnose = commands.add_parser(
         "diagnose",
-        help="measure, plot and train each normalization placement at several depths",
+        help=COMMANDS["diagnose"],
         description="Gradient norms, activation scale and layer similarity at init, and a short training run with "
         "and without warm-up, for each placement and depth; writes OUT/index.md with PNG figures.",
     )

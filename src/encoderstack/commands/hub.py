@@ -1,5 +1,7 @@
 """`encoderstack card` and `encoderstack push`: the model card and the Hub push of `hub_card` and `hub`."""
 
+from encoderstack_cli import COMMANDS
+
 from ..hub import push_folder
 from ..hub_card import write_card
 
@@ -24,11 +26,11 @@ def push_command(args) -> int:
 
 def add_hub_commands(commands) -> None:
     """`encoderstack card` and `encoderstack push`, on the CLI's subparsers."""
-    card = commands.add_parser("card", help="write the model card (README.md) of an EncoderStack folder")
+    card = commands.add_parser("card", help=COMMANDS["card"])
     card.add_argument("folder", metavar="DIR", help="EncoderStack folder (its README.md is rewritten)")
     card.set_defaults(run=card_command)
 
-    push = commands.add_parser("push", help="check an EncoderStack folder, then publish it to the Hub in one commit")
+    push = commands.add_parser("push", help=COMMANDS["push"])
     push.add_argument("folder", metavar="DIR", help="EncoderStack folder")
     push.add_argument("repo_id", metavar="REPO_ID", help="the Hub repository, namespace/name (created if missing)")
     push.add_argument(

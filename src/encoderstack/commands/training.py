@@ -5,6 +5,8 @@ that every `TrainingArguments` field is an option under its own name (`--bf16`, 
 import dataclasses
 from pathlib import Path
 
+from encoderstack_cli import COMMANDS
+
 from ..finetune import FinetuneArguments, FinetuneTrainingArguments, finetune
 from ..pretrain import PretrainArguments, PretrainTrainingArguments, pretrain
 from . import DEFAULT_OUTPUT, embedded_default
@@ -54,7 +56,7 @@ def add_training_commands(commands) -> None:
     tune = commands.add_parser(
         "finetune",
         dataclass_types=[FinetuneArguments, FinetuneTrainingArguments],
-        help="fine-tune with transformers' Trainer (works under torchrun)",
+        help=COMMANDS["finetune"],
         description="Fine-tune on CSV or JSON lines; every TrainingArguments field is an option.",
     )
     # reads: every path argument the command reads, all given to its OutputFolder as inputs; writes: its output
@@ -63,7 +65,7 @@ def add_training_commands(commands) -> None:
     pre = commands.add_parser(
         "pretrain",
         dataclass_types=[PretrainArguments, PretrainTrainingArguments],
-        help="masked-LM pre-training, fresh or continued, on packed sequences",
+        help=COMMANDS["pretrain"],
         description="Masked-LM pre-training from --model or --config; every TrainingArguments field is an option.",
     )
     pre.set_defaults(run=pretrain_command, reads=("model", "config", "tokenizer", "train", "eval"), writes="output_dir")
