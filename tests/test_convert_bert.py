@@ -263,6 +263,20 @@ def test_a_task_override_to_a_new_head_lists_what_it_initialized(tmp_path):
     assert report["initialized"] == ["classifier.bias", "classifier.weight"]
 
 
+@pytest.mark.parametrize("suffix", ["ForMaskedLM", "ForPreTraining"])
+def test_an_untied_head_reads_its_decoders_own_bias_as_transformers_does(suffix, tmp_path):
+    """With tie_word_embeddings=false, transformers keeps `cls.predictions.bias` and the decoder's own bias apart (both
+    stored) and its forward reads the decoder's."""
+    source = bert_folder(tmp_path / "bert", suffix, tie_word_embeddings=False)
+    state = load_file(source / "model.safetensors")
+    assert not torch.equal(state["cls.predictions.bias"], state["cls.predictions.decoder.bias"])
+    reference, converted = convert_and_load(source, tmp_path / "out", suffix)
+    report = json.loads((tmp_path / "out" / "conversion.json").read_text())
+    assert report["mapped"]["cls.predictions.decoder.bias"] == "lm_head.decoder.bias"
+    assert "cls.predictions.bias" in report["skipped"]
+    assert_parity(reference, converted, suffix, "sdpa")
+
+
 def test_the_conversion_report_accounts_for_every_source_tensor(tmp_path):
     source = bert_folder(tmp_path / "bert", "ForPreTraining")
     folder = encoderstack.convert(source, tmp_path / "out")

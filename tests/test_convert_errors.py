@@ -320,17 +320,6 @@ def test_a_tokenizer_with_ids_beyond_the_embeddings_is_refused(source, tmp_path)
     assert_refused(source, tmp_path / "out", r"bert: the tokenizer gives token id 156, but vocab_size is 99")
 
 
-def test_a_trained_decoder_that_config_json_says_is_tied_is_refused(tmp_path):
-    source = bert_folder(tmp_path / "bert", "ForMaskedLM", tie_word_embeddings=False)
-    set_config(source, tie_word_embeddings=True)
-    assert_refused(
-        source,
-        tmp_path / "out",
-        r"model.safetensors: tensor 'cls.predictions.decoder.weight' differs from "
-        r"'bert.embeddings.word_embeddings.weight', but .*bert/config.json says tie_word_embeddings=true",
-    )
-
-
 TINY = {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 37}
 
 

@@ -164,6 +164,10 @@ SKIPPED_KEYS = {
     "cls.predictions.decoder.bias": "same tensor as cls.predictions.bias (BERT ties the two)",
 }
 
+# A decoder bias stored twice, under the decoder's name and the head's (which the key maps map), skipped as the same
+# tensor where the two are equal.
+DECODER_OWN_BIASES = ("cls.predictions.decoder.bias", "lm_head.decoder.bias")
+
 ROBERTA_LM_HEAD_KEYS = (
     ("lm_head.dense.{p}", "lm_head.dense.{p}"),
     ("lm_head.layer_norm.{p}", "lm_head.norm.{p}"),
