@@ -116,10 +116,10 @@ class EncoderStackConfig(PreTrainedConfig):
         tanh and the classifier on the first token, no pooler; masked-LM activation gelu), `"electra"` (dense, gelu,
         classifier on the first token for sequence classification and multiple choice; no pooler anywhere) or
         `"distilbert"` (dense, ReLU, classifier; no pooler). `type_vocab_size=0` means no token-type embeddings
-        (DistilBERT). `"modernbert"`: each classification head runs dense, gelu and norm (ModernBERT's
-        prediction head) on its pooled or per-token features, the masked-LM head dense,
-        gelu, norm and the decoder; `"eurobert"`: sequence classification dense and gelu on the pooled features, the
-        masked-LM head the decoder alone; `"ultrabert"`: the classifiers on the pooled or per-token features
+        (DistilBERT), and `token_type_ids` ignored, as its classes ignore them. `"modernbert"`: each classification head
+        runs dense, gelu and norm (ModernBERT's prediction head) on its pooled or per-token features, the masked-LM head
+        dense, gelu, norm and the decoder; `"eurobert"`: sequence classification dense and gelu on the pooled features,
+        the masked-LM head the decoder alone; `"ultrabert"`: the classifiers on the pooled or per-token features
         directly, the masked-LM head two projections through `prediction_head_size`, each followed by gelu (tanh);
         `"neobert"`: sequence classification dense and tanh on the first token, the masked-LM head the decoder alone.
         No pooler in these four.

@@ -46,6 +46,8 @@ def sample_batches(folder, config, multiple_choice: bool, source=None) -> list[d
         tokenizer = None
     if tokenizer is not None:
         fit = fitting(config)
+        if config.type_vocab_size < 2:  # no use for them: GTE-en-v1.5 (no token types) ships a BERT tokenizer
+            fit["return_token_type_ids"] = False
         batches = [
             dict(tokenizer(SENTENCES, padding=True, return_tensors="pt", **fit)),
             dict(tokenizer([a for a, _ in PAIRS], [b for _, b in PAIRS], padding=True, return_tensors="pt", **fit)),
