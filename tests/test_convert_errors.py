@@ -304,6 +304,19 @@ def test_a_non_finite_config_value_is_named_in_the_source_config(source, tmp_pat
     assert_refused(source, tmp_path / "out", rf"\A{re.escape(str(source / 'config.json'))}: layer_norm_eps is {value}")
 
 
+@pytest.mark.parametrize("pad_token_id", [99, 50283, -1])
+def test_a_pad_token_id_outside_the_vocabulary_is_named_with_the_vocabulary_size(source, tmp_path, pad_token_id):
+    set_config(source, pad_token_id=pad_token_id)
+    message = (
+        f"{source / 'config.json'}: config cannot describe an EncoderStack: `pad_token_id` must be None or an id of "
+        f"the vocabulary, in [0, 98] (`vocab_size` 99), got {pad_token_id}."
+    )
+    assert_refused(source, tmp_path / "out", rf"\A{re.escape(message)}\Z")
+    with pytest.raises(ConversionError) as by_load:
+        encoderstack.EncoderStackForMaskedLM.from_pretrained(source)
+    assert str(by_load.value) == message
+
+
 def test_an_unknown_architecture_names_the_config_file(source, tmp_path):
     set_config(source, architectures=["BertLMHeadModel"])
     assert_refused(

@@ -230,6 +230,11 @@ class EncoderStackConfig(PreTrainedConfig):
                 raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)}.")
         if self.type_vocab_size < 0:
             raise ValueError(f"`type_vocab_size` must be 0 (no token types) or more, got {self.type_vocab_size}.")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"`pad_token_id` must be None or an id of the vocabulary, in [0, {self.vocab_size - 1}] "
+                f"(`vocab_size` {self.vocab_size}), got {self.pad_token_id}."
+            )
         if self.embedding_size is not None and self.embedding_size <= 0:
             raise ValueError(f"`embedding_size` must be a positive integer or None, got {self.embedding_size}.")
         if self.position_offset is not None and not 0 <= self.position_offset < self.max_position_embeddings:

@@ -203,8 +203,10 @@ def encoderstack_config(source: Source, family: str, task: Task) -> EncoderStack
         fields["dtype"] = config.get("dtype", config.get("torch_dtype"))
     try:
         result = EncoderStackConfig(**fields)
-    except Exception as error:  # the config's own validation says what is wrong
-        raise ConversionError(f"{source.config_path}: config cannot describe an EncoderStack: {error}") from None
+    except Exception as error:  # the config's own validation says what is wrong (strict dataclasses wrap it)
+        raise ConversionError(
+            f"{source.config_path}: config cannot describe an EncoderStack: {error.__cause__ or error}"
+        ) from None
     if task.name in ("sequence-classification", "token-classification") and result.num_labels < 1:
         raise ConversionError(f"{source.config_path}: num_labels is {result.num_labels}; a classifier needs 1 or more")
     return result
