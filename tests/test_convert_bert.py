@@ -341,6 +341,18 @@ def test_export_bert_round_trip_gives_identical_tensors(tmp_path):
             assert torch.equal(original[key], exported[key]), (suffix, key)
 
 
+@pytest.mark.parametrize("suffix", ["ForMaskedLM", "ForPreTraining"])
+def test_export_bert_of_an_untied_head_keeps_the_decoder_bias_berts_class_reads(suffix, tmp_path):
+    source = bert_folder(tmp_path / "bert", suffix, tie_word_embeddings=False)
+    back = encoderstack.export_bert(encoderstack.convert(source, tmp_path / "es"), tmp_path / "back")
+    original = getattr(transformers, "Bert" + suffix).from_pretrained(source).eval()
+    exported = getattr(transformers, "Bert" + suffix).from_pretrained(back).eval()
+    batch = inputs_for(suffix)
+    with torch.no_grad():
+        for name, value in main_outputs(original(**batch)).items():
+            torch.testing.assert_close(getattr(exported(**batch), name), value, atol=1e-5, rtol=0, msg=name)
+
+
 def test_export_bert_refuses_a_placement_bert_cannot_express(tmp_path):
     model = encoderstack.EncoderStackModel(
         encoderstack.EncoderStackConfig(

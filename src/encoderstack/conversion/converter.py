@@ -587,6 +587,10 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
         if exported is None:
             raise ConversionError(f"{folder}: tensor {key!r} has no {family_name} counterpart")
         mapped[exported] = (SourceRows(key),)
+    if not config.tie_word_embeddings and "lm_head.decoder.bias" in tensors.keys():  # noqa: SIM118
+        # untied, transformers 5 reads the decoder's own copy of the bias (it ties the two only with the embeddings)
+        own_bias = next(name for name in DECODER_OWN_BIASES if name in family.skipped)
+        mapped[own_bias] = (SourceRows("lm_head.decoder.bias"),)
     family_config = {name: getattr(config, name) for name in BERT_FIELDS}
     output = OutputFolder(output_path, force, inputs=[folder])
     with output as partial:
