@@ -164,8 +164,8 @@ SKIPPED_KEYS = {
     "cls.predictions.decoder.bias": "same tensor as cls.predictions.bias (BERT ties the two)",
 }
 
-# A decoder bias stored twice, under the decoder's name and the head's (which the key maps map), skipped as the same
-# tensor where the two are equal.
+# The decoder's own name for its bias, where a head stores the bias twice (the key maps map the head's copy, BERT's
+# `cls.predictions.bias`, RoBERTa's `lm_head.bias`): skipped where the copies are equal, read where they differ.
 DECODER_OWN_BIASES = ("cls.predictions.decoder.bias", "lm_head.decoder.bias")
 
 ROBERTA_LM_HEAD_KEYS = (
