@@ -3,6 +3,7 @@ family's own transformers class, built tiny and random (no download): RoBERTa, X
 ELECTRA (narrower embeddings, its discriminator and generator) and DistilBERT."""
 
 import json
+import re
 from functools import partial
 
 import pytest
@@ -258,6 +259,17 @@ def test_a_roberta_checkpoint_refuses_a_head_its_family_does_not_have(tmp_path):
     source = family_folder(tmp_path / "roberta", "roberta", "ForMaskedLM")
     with pytest.raises(encoderstack.ConversionError, match="a roberta checkpoint has no 'pretraining' head"):
         encoderstack.convert(source, tmp_path / "out", task="pretraining")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_roberta_config_without_a_pad_token_id_is_refused_by_name(tmp_path):
+    """RoBERTa counts positions from the pad id: its own class cannot run without one either."""
+    source = family_folder(tmp_path / "roberta", "roberta", "ForMaskedLM")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "pad_token_id": None}))
+    message = f"{source / 'config.json'}: pad_token_id is None; RoBERTa counts positions from pad_token_id + 1"
+    with pytest.raises(encoderstack.ConversionError, match=re.escape(message)):
+        encoderstack.convert(source, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

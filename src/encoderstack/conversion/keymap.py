@@ -199,7 +199,10 @@ ROBERTA_SKIPPED = {
 
 def roberta_fields(config: dict) -> dict:
     """Positions count real tokens from pad_token_id + 1 (fairseq's `make_positions`); RoBERTa's heads."""
-    return {"position_offset": config.get("pad_token_id", 1) + 1, "head_layout": "roberta"}
+    pad = config.get("pad_token_id", 1)
+    if not isinstance(pad, int) or isinstance(pad, bool):
+        raise ConversionError(f"pad_token_id is {pad!r}; RoBERTa counts positions from pad_token_id + 1: it needs one")
+    return {"position_offset": pad + 1, "head_layout": "roberta"}
 
 
 @dataclass(frozen=True)
