@@ -94,6 +94,10 @@ ROTARY = {"position_embedding_type": "rope"}
         ),
         ({"num_hidden_layers": 0}, "`num_hidden_layers` must be a positive integer, got 0"),
         ({"vocab_size": -5}, "`vocab_size` must be a positive integer, got -5"),
+        (
+            {"vocab_size": 99, "pad_token_id": 99},
+            "`pad_token_id` must be None or an id of the vocabulary, in [0, 98] (`vocab_size` 99), got 99",
+        ),
         ({"hidden_dropout_prob": 1.0}, "`hidden_dropout_prob` must lie in [0, 1), got 1.0"),
         ({"attention_probs_dropout_prob": -0.1}, "`attention_probs_dropout_prob` must lie in [0, 1), got -0.1"),
         ({"classifier_dropout": 1.5}, "`classifier_dropout` must lie in [0, 1), got 1.5"),

@@ -263,6 +263,20 @@ def test_a_task_override_to_a_new_head_lists_what_it_initialized(tmp_path):
     assert report["initialized"] == ["classifier.bias", "classifier.weight"]
 
 
+@pytest.mark.parametrize("suffix", ["ForMaskedLM", "ForPreTraining"])
+def test_an_untied_head_reads_its_decoders_own_bias_as_transformers_does(suffix, tmp_path):
+    """With tie_word_embeddings=false, transformers keeps `cls.predictions.bias` and the decoder's own bias apart (both
+    stored) and its forward reads the decoder's."""
+    source = bert_folder(tmp_path / "bert", suffix, tie_word_embeddings=False)
+    state = load_file(source / "model.safetensors")
+    assert not torch.equal(state["cls.predictions.bias"], state["cls.predictions.decoder.bias"])
+    reference, converted = convert_and_load(source, tmp_path / "out", suffix)
+    report = json.loads((tmp_path / "out" / "conversion.json").read_text())
+    assert report["mapped"]["cls.predictions.decoder.bias"] == "lm_head.decoder.bias"
+    assert "cls.predictions.bias" in report["skipped"]
+    assert_parity(reference, converted, suffix, "sdpa")
+
+
 def test_the_conversion_report_accounts_for_every_source_tensor(tmp_path):
     source = bert_folder(tmp_path / "bert", "ForPreTraining")
     folder = encoderstack.convert(source, tmp_path / "out")
@@ -325,6 +339,18 @@ def test_export_bert_round_trip_gives_identical_tensors(tmp_path):
         assert original.keys() == exported.keys()
         for key in original:
             assert torch.equal(original[key], exported[key]), (suffix, key)
+
+
+@pytest.mark.parametrize("suffix", ["ForMaskedLM", "ForPreTraining"])
+def test_export_bert_of_an_untied_head_keeps_the_decoder_bias_berts_class_reads(suffix, tmp_path):
+    source = bert_folder(tmp_path / "bert", suffix, tie_word_embeddings=False)
+    back = encoderstack.export_bert(encoderstack.convert(source, tmp_path / "es"), tmp_path / "back")
+    original = getattr(transformers, "Bert" + suffix).from_pretrained(source).eval()
+    exported = getattr(transformers, "Bert" + suffix).from_pretrained(back).eval()
+    batch = inputs_for(suffix)
+    with torch.no_grad():
+        for name, value in main_outputs(original(**batch)).items():
+            torch.testing.assert_close(getattr(exported(**batch), name), value, atol=1e-5, rtol=0, msg=name)
 
 
 def test_export_bert_refuses_a_placement_bert_cannot_express(tmp_path):

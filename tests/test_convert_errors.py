@@ -304,6 +304,19 @@ def test_a_non_finite_config_value_is_named_in_the_source_config(source, tmp_pat
     assert_refused(source, tmp_path / "out", rf"\A{re.escape(str(source / 'config.json'))}: layer_norm_eps is {value}")
 
 
+@pytest.mark.parametrize("pad_token_id", [99, 50283, -1])
+def test_a_pad_token_id_outside_the_vocabulary_is_named_with_the_vocabulary_size(source, tmp_path, pad_token_id):
+    set_config(source, pad_token_id=pad_token_id)
+    message = (
+        f"{source / 'config.json'}: config cannot describe an EncoderStack: `pad_token_id` must be None or an id of "
+        f"the vocabulary, in [0, 98] (`vocab_size` 99), got {pad_token_id}."
+    )
+    assert_refused(source, tmp_path / "out", rf"\A{re.escape(message)}\Z")
+    with pytest.raises(ConversionError) as by_load:
+        encoderstack.EncoderStackForMaskedLM.from_pretrained(source)
+    assert str(by_load.value) == message
+
+
 def test_an_unknown_architecture_names_the_config_file(source, tmp_path):
     set_config(source, architectures=["BertLMHeadModel"])
     assert_refused(
@@ -318,17 +331,6 @@ def test_a_tokenizer_with_ids_beyond_the_embeddings_is_refused(source, tmp_path)
     (tmp_path / "vocab.txt").write_text("\n".join(tokens))
     transformers.BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(source)
     assert_refused(source, tmp_path / "out", r"bert: the tokenizer gives token id 156, but vocab_size is 99")
-
-
-def test_a_trained_decoder_that_config_json_says_is_tied_is_refused(tmp_path):
-    source = bert_folder(tmp_path / "bert", "ForMaskedLM", tie_word_embeddings=False)
-    set_config(source, tie_word_embeddings=True)
-    assert_refused(
-        source,
-        tmp_path / "out",
-        r"model.safetensors: tensor 'cls.predictions.decoder.weight' differs from "
-        r"'bert.embeddings.word_embeddings.weight', but .*bert/config.json says tie_word_embeddings=true",
-    )
 
 
 TINY = {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 37}

@@ -3,6 +3,7 @@ family's own transformers class, built tiny and random (no download): RoBERTa, X
 ELECTRA (narrower embeddings, its discriminator and generator) and DistilBERT."""
 
 import json
+import re
 from functools import partial
 
 import pytest
@@ -261,6 +262,17 @@ def test_a_roberta_checkpoint_refuses_a_head_its_family_does_not_have(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_roberta_config_without_a_pad_token_id_is_refused_by_name(tmp_path):
+    """RoBERTa counts positions from the pad id: its own class cannot run without one either."""
+    source = family_folder(tmp_path / "roberta", "roberta", "ForMaskedLM")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "pad_token_id": None}))
+    message = f"{source / 'config.json'}: pad_token_id is None; RoBERTa counts positions from pad_token_id + 1"
+    with pytest.raises(encoderstack.ConversionError, match=re.escape(message)):
+        encoderstack.convert(source, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("model_type", "reason"),
     [
@@ -276,6 +288,40 @@ def test_families_it_cannot_express_are_refused_with_the_family_and_the_reason(t
     (source / "config.json").write_text(json.dumps({**config, "model_type": model_type, "architectures": None}))
     with pytest.raises(encoderstack.ConversionError, match=f"model_type '{model_type}'.*{reason}"):
         encoderstack.convert(source, tmp_path / "out")
+
+
+def with_a_bert_tokenizer(folder):
+    """A small WordPiece tokenizer as BERT's, saved in the folder: it gives a pair's second sentence token type 1."""
+    words = ["the", "quick", "brown", "fox", "dog", "how", "old", "is", "about", "years", "where", "it", "no"]
+    (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]))
+    tokenizer = transformers.BertTokenizer(str(folder / "vocab.txt"))
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def assert_token_types_are_ignored_as_the_reference_ignores_them(source, reference_class, output):
+    """A folder of a family without token types that ships a BERT tokenizer (GTE-en-v1.5 does): `convert` verifies on
+    sentence pairs without feeding token types, and the converted model, given the tokenizer's pair encoding with
+    its token types, gives what the family's class gives."""
+    tokenizer = with_a_bert_tokenizer(source)
+    folder = encoderstack.convert(source, output)
+    assert json.loads((folder / "conversion.json").read_text())["parity"]["inputs"].startswith("tokenizer")
+    pairs = tokenizer(
+        ["how old is the dog", "the fox"], ["about years", "where is it"], padding=True, return_tensors="pt"
+    )
+    assert pairs["token_type_ids"].max() == 1
+    mask = pairs["attention_mask"].bool()
+    with torch.no_grad():
+        expected = reference_class.from_pretrained(source).eval()(**pairs).logits
+        ours = encoderstack.EncoderStackForMaskedLM.from_pretrained(folder).eval()(**pairs).logits
+    torch.testing.assert_close(real(ours, mask), real(expected, mask), atol=1e-5, rtol=0)
+
+
+def test_a_distilbert_folder_with_a_bert_tokenizer_ignores_token_types_as_distilbert_does(tmp_path):
+    source = family_folder(tmp_path / "distilbert", "distilbert", "ForMaskedLM")
+    assert_token_types_are_ignored_as_the_reference_ignores_them(
+        source, transformers.DistilBertForMaskedLM, tmp_path / "out"
+    )
 
 
 def test_a_distilbert_with_fixed_sinusoidal_positions_converts_its_stored_table_with_parity(tmp_path):

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from test_convert_family import (
     PAD,
     assert_parity,
+    assert_token_types_are_ignored_as_the_reference_ignores_them,
     bert_positions_of_left_padding,
     converted_pair,
     right_padded_batch,
@@ -36,7 +37,7 @@ FAMILIES = {  # model_type -> (class prefix, its heads, a rotary base other than
 MATRIX = [(family, suffix) for family, (_, suffixes, _) in FAMILIES.items() for suffix in suffixes]
 
 
-def rope_folder(folder, family, suffix, seed=0, rope_parameters=None, max_position_embeddings=64):
+def rope_folder(folder, family, suffix, seed=0, rope_parameters=None, max_position_embeddings=64, type_vocab_size=2):
     prefix, _, theta = FAMILIES[family]
     config = transformers.AutoConfig.for_model(
         family,
@@ -46,7 +47,7 @@ def rope_folder(folder, family, suffix, seed=0, rope_parameters=None, max_positi
         num_attention_heads=4,
         intermediate_size=37,
         max_position_embeddings=max_position_embeddings,
-        type_vocab_size=2,
+        type_vocab_size=type_vocab_size,
         layer_norm_eps=1e-5,
         pad_token_id=PAD,
         num_labels=2 if suffix == "ForQuestionAnswering" else 3,
@@ -133,6 +134,12 @@ def test_a_gte_head_checkpoint_with_the_remote_code_prefix_new_converts_to_the_s
     actual = load_file(encoderstack.convert(original, tmp_path / "out") / "model.safetensors")
     assert actual.keys() == expected.keys()
     assert all(torch.equal(actual[key], tensor) for key, tensor in expected.items())
+
+
+def test_a_gte_without_token_types_and_a_bert_tokenizer_ignores_token_types_as_gte_does(tmp_path):
+    """GTE-en-v1.5: `type_vocab_size` 0, and a BERT tokenizer."""
+    source = rope_folder(tmp_path / "gte", "gte", "ForMaskedLM", type_vocab_size=0)
+    assert_token_types_are_ignored_as_the_reference_ignores_them(source, transformers.GteForMaskedLM, tmp_path / "out")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -60,15 +60,25 @@ def test_position_ids_below_the_offset_are_refused_and_the_length_limit_counts_t
         model(input_ids=torch.full((1, 63), 5))
 
 
-def test_without_token_types_the_model_has_no_table_and_takes_type_zero_only():
+def test_without_token_types_the_model_has_no_table_and_ignores_them_as_its_families_classes_do():
+    """DistilBERT's, GTE's and ModernBERT's classes ignore the token types a BERT tokenizer gives a sentence pair."""
     model = build(encoderstack.EncoderStackModel, type_vocab_size=0)
     assert model.embeddings.token_type_embeddings is None
     inputs = batch()
     types = inputs.pop("token_type_ids")
-    zeros = model(**inputs, token_type_ids=torch.zeros_like(types)).last_hidden_state
-    torch.testing.assert_close(zeros, model(**inputs).last_hidden_state, atol=0, rtol=0)
-    with pytest.raises(ValueError, match=r"`token_type_ids` must lie in \[0, 0\]"):
-        model(**inputs, token_type_ids=types)
+    assert types.max() == 1
+    for given in (torch.zeros_like(types), types):
+        torch.testing.assert_close(
+            model(**inputs, token_type_ids=given).last_hidden_state, model(**inputs).last_hidden_state, atol=0, rtol=0
+        )
+
+
+def test_with_one_token_type_a_second_is_refused_by_name():
+    model = build(encoderstack.EncoderStackModel, **ROBERTA)
+    inputs = batch()
+    inputs["input_ids"] = inputs["input_ids"].clamp(min=2)  # no real token at the pad id
+    with pytest.raises(ValueError, match=r"`token_type_ids` must lie in \[0, 0\], got values from 0 to 1"):
+        model(**inputs)
 
 
 def test_a_narrower_embedding_is_projected_and_the_masked_lm_head_predicts_at_its_width():

@@ -5,14 +5,19 @@ still goes through a temporary conversion."""
 import json
 import re
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from conftest import real
 from safetensors.torch import load_file, save_file
 from test_convert_bert import bert_folder
-from test_convert_family import FAMILIES, SUFFIXES, family_folder
+from test_convert_family import FAMILIES, SUFFIXES, family_folder, right_padded_batch
+from test_convert_modern import FAMILIES as MODERN_FAMILIES
+from test_convert_modern import family_folder as modern_folder
+from test_convert_rope_families import FAMILIES as ROPE_FAMILIES
 from test_convert_rope_families import rope_folder
 
 import encoderstack
@@ -131,10 +136,6 @@ BAD_WEIGHTS = {
         "has shape \\[32, 31\\]",
     ),
     "a NaN": (lambda s: s["bert.encoder.layer.0.output.dense.bias"].fill_(float("nan")), "holds NaN"),
-    "an untied decoder": (
-        lambda s: s.update({"cls.predictions.decoder.weight": torch.ones(99, 32)}),
-        "differs from 'bert.embeddings.word_embeddings.weight'",
-    ),
 }
 
 
@@ -208,3 +209,64 @@ def test_a_family_with_fused_projections_loads_through_a_temporary_conversion(fa
     assert len(converted) == 1
     expected = through_the_converter(source, tmp_path / "out", encoderstack.EncoderStackForMaskedLM, TASKS["masked-lm"])
     assert_same_model(model, expected)
+
+
+# Every family with a masked-LM head that transformers has a class for: its class and a builder of a tiny folder.
+MASKED_LM_FAMILIES = {
+    "bert": ("Bert", lambda folder: bert_folder(folder, "ForMaskedLM")),
+    "megatron-bert": ("MegatronBert", lambda folder: bert_folder(folder, "ForMaskedLM", family="MegatronBert")),
+    **{
+        family: (prefix, partial(family_folder, family=family, suffix="ForMaskedLM"))
+        for family, prefix in FAMILIES.items()
+    },
+    **{
+        family: (prefix, partial(rope_folder, family=family, suffix="ForMaskedLM"))
+        for family, (prefix, _, _) in ROPE_FAMILIES.items()
+    },
+    **{
+        family: (prefix, partial(modern_folder, family=family, suffix="ForMaskedLM"))
+        for family, (prefix, _) in MODERN_FAMILIES.items()
+    },
+}
+
+
+def set_tied(folder, tied):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": tied}))
+
+
+def with_a_decoder_apart(folder, reference_class):
+    """The folder with a decoder stored apart from the word embeddings and different from them, while its config.json
+    says `tie_word_embeddings: true` (a release whose decoder was trained untied, its config left at the default)."""
+    set_tied(folder, False)
+    model = reference_class.from_pretrained(folder)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.get_output_embeddings().parameters():  # BERT's and RoBERTa's: a bias of its own too
+            param.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    set_tied(folder, True)
+    return folder
+
+
+@pytest.mark.parametrize("family", sorted(MASKED_LM_FAMILIES))
+def test_a_decoder_stored_apart_from_tied_embeddings_is_kept_as_transformers_keeps_it(family, tmp_path):
+    """transformers leaves a decoder that differs from the embeddings untied (with a warning), and reads the decoder's
+    own bias where the head stores another: loading on the fly and `convert` (verified) give its logits, and the
+    converted config says tie_word_embeddings=false."""
+    prefix, build = MASKED_LM_FAMILIES[family]
+    reference_class = getattr(transformers, prefix + "ForMaskedLM")
+    source = with_a_decoder_apart(build(tmp_path / "source"), reference_class)
+    reference = reference_class.from_pretrained(source).eval()
+    assert not torch.equal(reference.get_output_embeddings().weight, reference.get_input_embeddings().weight)
+    folder = encoderstack.convert(source, tmp_path / "out")
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is False
+    inputs, _ = right_padded_batch("ForMaskedLM")
+    mask = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        expected = real(reference(**inputs).logits, mask)
+        for model in (
+            encoderstack.EncoderStackForMaskedLM.from_pretrained(source),
+            encoderstack.EncoderStackForMaskedLM.from_pretrained(folder),
+        ):
+            torch.testing.assert_close(real(model.eval()(**inputs).logits, mask), expected, atol=1e-5, rtol=0)

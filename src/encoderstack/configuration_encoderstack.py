@@ -119,10 +119,10 @@ class EncoderStackConfig(PreTrainedConfig):
         tanh and the classifier on the first token, no pooler; masked-LM activation gelu), `"electra"` (dense, gelu,
         classifier on the first token for sequence classification and multiple choice; no pooler anywhere) or
         `"distilbert"` (dense, ReLU, classifier; no pooler). `type_vocab_size=0` means no token-type embeddings
-        (DistilBERT). `"modernbert"`: each classification head runs dense, gelu and norm (ModernBERT's
-        prediction head) on its pooled or per-token features, the masked-LM head dense,
-        gelu, norm and the decoder; `"eurobert"`: sequence classification dense and gelu on the pooled features, the
-        masked-LM head the decoder alone; `"ultrabert"`: the classifiers on the pooled or per-token features
+        (DistilBERT), and `token_type_ids` ignored, as its classes ignore them. `"modernbert"`: each classification head
+        runs dense, gelu and norm (ModernBERT's prediction head) on its pooled or per-token features, the masked-LM head
+        dense, gelu, norm and the decoder; `"eurobert"`: sequence classification dense and gelu on the pooled features,
+        the masked-LM head the decoder alone; `"ultrabert"`: the classifiers on the pooled or per-token features
         directly, the masked-LM head two projections through `prediction_head_size`, each followed by gelu (tanh);
         `"neobert"`: sequence classification dense and tanh on the first token, the masked-LM head the decoder alone.
         No pooler in these four.
@@ -236,6 +236,11 @@ class EncoderStackConfig(PreTrainedConfig):
                 raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)}.")
         if self.type_vocab_size < 0:
             raise ValueError(f"`type_vocab_size` must be 0 (no token types) or more, got {self.type_vocab_size}.")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"`pad_token_id` must be None or an id of the vocabulary, in [0, {self.vocab_size - 1}] "
+                f"(`vocab_size` {self.vocab_size}), got {self.pad_token_id}."
+            )
         if self.embedding_size is not None and self.embedding_size <= 0:
             raise ValueError(f"`embedding_size` must be a positive integer or None, got {self.embedding_size}.")
         if self.position_offset is not None and not 0 <= self.position_offset < self.max_position_embeddings:

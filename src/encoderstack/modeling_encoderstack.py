@@ -1328,11 +1328,9 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         limit, offset = self.config.max_position_embeddings, self.config.position_offset or 0
         if torch.compiler.is_compiling():
             return None
-        ranges = [
-            ("input_ids", input_ids, 0, self.config.vocab_size),
-            # a model without token types takes type 0 only: what a BERT tokenizer gives a single sentence
-            ("token_type_ids", token_type_ids, 0, max(self.config.type_vocab_size, 1)),
-        ]
+        ranges = [("input_ids", input_ids, 0, self.config.vocab_size)]
+        if self.config.type_vocab_size:  # a model without token types ignores them, as its families' classes do
+            ranges.append(("token_type_ids", token_type_ids, 0, self.config.type_vocab_size))
         if self.config.position_embedding_type == "absolute":
             # positions below the offset are rows a RoBERTa-style model never trained (padding's, or none)
             ranges.append(("position_ids", position_ids, offset, limit))

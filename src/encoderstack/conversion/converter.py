@@ -7,6 +7,7 @@ in a hidden sibling folder and renamed into place at the end.
 import dataclasses
 import errno
 import json
+import logging
 import math
 import os
 import re
@@ -27,6 +28,7 @@ from ..output_folder import OutputFolder
 from ..version import __version__
 from .keymap import (
     BERT_FIELDS,
+    DECODER_OWN_BIASES,
     FAMILIES,
     REFUSED_FAMILIES,
     TASKS,
@@ -49,6 +51,7 @@ from .sources import (
 )
 
 TOLERANCE = 1e-5
+EMBEDDINGS = "embeddings.word_embeddings.weight"
 
 
 @dataclass(frozen=True)
@@ -200,8 +203,10 @@ def encoderstack_config(source: Source, family: str, task: Task) -> EncoderStack
         fields["dtype"] = config.get("dtype", config.get("torch_dtype"))
     try:
         result = EncoderStackConfig(**fields)
-    except Exception as error:  # the config's own validation says what is wrong
-        raise ConversionError(f"{source.config_path}: config cannot describe an EncoderStack: {error}") from None
+    except Exception as error:  # the config's own validation says what is wrong (strict dataclasses wrap it)
+        raise ConversionError(
+            f"{source.config_path}: config cannot describe an EncoderStack: {error.__cause__ or error}"
+        ) from None
     if task.name in ("sequence-classification", "token-classification") and result.num_labels < 1:
         raise ConversionError(f"{source.config_path}: num_labels is {result.num_labels}; a classifier needs 1 or more")
     return result
@@ -247,14 +252,10 @@ def detect_task(source: Source) -> tuple[str, Task]:
     return family_name, TASKS["base"]
 
 
-def refuse_untied_decoder(source: Source, names: dict, decoder: str) -> None:
-    """Tying would drop a trained decoder that differs from the embeddings (transformers does so silently)."""
-    embeddings = next((key for key, (name, _) in names.items() if name == "embeddings.word_embeddings.weight"), None)
-    if embeddings is not None and not torch.equal(source.tensors.get(decoder), source.tensors.get(embeddings)):
-        raise ConversionError(
-            f"{source.tensors.file_of(decoder)}: tensor {decoder!r} differs from {embeddings!r}, "
-            f"but {source.config_path} says tie_word_embeddings=true"
-        )
+def stored_apart(source: Source, first: str | None, second: str | None) -> bool:
+    """Whether two tensors that a head ties are both stored and differ: transformers then leaves them untied (with a
+    warning), whatever the config says, and its forward reads the decoder's own (`tie_weights` in from_pretrained)."""
+    return None not in (first, second) and not torch.equal(source.tensors.get(first), source.tensors.get(second))
 
 
 def plan(source: Source, task_name: str | None = None) -> Plan:
@@ -268,12 +269,28 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
             f"(its tasks: {', '.join(family.tasks)})"
         )
     config = encoderstack_config(source, family_name, task)
+    head_keys = family.head_keys_of(task)
+    source_names = {key: (family.local_name(name), transpose) for key, (name, transpose) in source.bert_names.items()}
+
+    def source_key(target: str, pairs) -> str | None:  # found by the family's own names
+        return next((key for key, (name, _) in source_names.items() if translate(name, pairs) == target), None)
+
+    decoder, bias = source_key("lm_head.decoder.weight", head_keys), source_key("lm_head.decoder.bias", head_keys)
+    if config.tie_word_embeddings and stored_apart(source, decoder, source_key(EMBEDDINGS, family.encoder_keys)):
+        logging.getLogger(__name__).warning(
+            "%s: tensor %r differs from the word embeddings, although %s says tie_word_embeddings=true: "
+            "kept untied (tie_word_embeddings=false), as transformers loads it",
+            source.tensors.file_of(decoder),
+            decoder,
+            source.config_path,
+        )
+        config.tie_word_embeddings = False
+    # BERT's and RoBERTa's heads store their decoder's bias twice: the decoder's own is read where the two differ
+    own_bias = next((key for key, (name, _) in source_names.items() if name in DECODER_OWN_BIASES), None)
+    own_bias = own_bias if stored_apart(source, own_bias, bias) else None
     expected = expected_tensors(config, task.encoderstack_class)
     prefix = "" if task.name == "base" else "model."
-    head_keys = family.head_keys_of(task)
     other_heads = {pair: other.name for other in TASKS.values() if other != task for pair in family.head_keys_of(other)}
-    source_names = {key: (family.local_name(name), transpose) for key, (name, transpose) in source.bert_names.items()}
-    names = {name for name, _ in source_names.values()}
     blocks, skipped = {}, dict(source.skipped)  # blocks: target -> (block count, {block index: SourceRows})
     for key, (name, transpose) in sorted(source_names.items()):
         target = translate(name, family.encoder_keys)
@@ -282,12 +299,13 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
             if target
             else as_pieces(translate(name, head_keys))
         )
-        if name in family.skipped and not (
-            pieces and name == "cls.predictions.decoder.bias" and "cls.predictions.bias" not in names
-        ):
+        if key == own_bias:
+            pieces = [Piece("lm_head.decoder.bias")]
+        if own_bias is not None and key == bias:
+            skipped[key] = f"differs from the decoder's own bias {own_bias!r}, which {family.architecture(task)} reads"
+        elif name in family.skipped and key != own_bias:
             skipped[key] = family.skipped[name]
         elif [piece.target for piece in pieces] == ["lm_head.decoder.weight"] and config.tie_word_embeddings:
-            refuse_untied_decoder(source, source_names, key)
             skipped[key] = "tied to the word embeddings (tie_word_embeddings=true)"
         elif not pieces:
             owner = next((other_heads[pair] for pair in other_heads if translate(name, [pair])), None)
@@ -569,6 +587,10 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
         if exported is None:
             raise ConversionError(f"{folder}: tensor {key!r} has no {family_name} counterpart")
         mapped[exported] = (SourceRows(key),)
+    if not config.tie_word_embeddings and "lm_head.decoder.bias" in tensors.keys():  # noqa: SIM118
+        # untied, transformers 5 reads the decoder's own copy of the bias (it ties the two only with the embeddings)
+        own_bias = next(name for name in DECODER_OWN_BIASES if name in family.skipped)
+        mapped[own_bias] = (SourceRows("lm_head.decoder.bias"),)
     family_config = {name: getattr(config, name) for name in BERT_FIELDS}
     output = OutputFolder(output_path, force, inputs=[folder])
     with output as partial:

@@ -164,6 +164,10 @@ SKIPPED_KEYS = {
     "cls.predictions.decoder.bias": "same tensor as cls.predictions.bias (BERT ties the two)",
 }
 
+# The decoder's own name for its bias, where a head stores the bias twice (the key maps map the head's copy, BERT's
+# `cls.predictions.bias`, RoBERTa's `lm_head.bias`): skipped where the copies are equal, read where they differ.
+DECODER_OWN_BIASES = ("cls.predictions.decoder.bias", "lm_head.decoder.bias")
+
 ROBERTA_LM_HEAD_KEYS = (
     ("lm_head.dense.{p}", "lm_head.dense.{p}"),
     ("lm_head.layer_norm.{p}", "lm_head.norm.{p}"),
@@ -195,7 +199,10 @@ ROBERTA_SKIPPED = {
 
 def roberta_fields(config: dict) -> dict:
     """Positions count real tokens from pad_token_id + 1 (fairseq's `make_positions`); RoBERTa's heads."""
-    return {"position_offset": config.get("pad_token_id", 1) + 1, "head_layout": "roberta"}
+    pad = config.get("pad_token_id", 1)
+    if not isinstance(pad, int) or isinstance(pad, bool):
+        raise ConversionError(f"pad_token_id is {pad!r}; RoBERTa counts positions from pad_token_id + 1: it needs one")
+    return {"position_offset": pad + 1, "head_layout": "roberta"}
 
 
 @dataclass(frozen=True)
