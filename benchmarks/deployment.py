@@ -52,6 +52,7 @@ def runtimes(folder: Path, threads: int) -> dict:
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads
     onnx, openvino = export(folder, "onnx"), export(folder, "openvino")
+
     def ov_config(precision):
         return {"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": precision}
 
