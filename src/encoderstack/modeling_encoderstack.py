@@ -42,7 +42,14 @@ from transformers.utils import ModelOutput, TransformersKwargs, logging
 from transformers.utils.generic import can_return_tuple, is_flash_attention_requested
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_encoderstack import GATED_ACTIVATIONS, EncoderStackConfig
+from .configuration_encoderstack import (  # noqa: F401 (Placement, PLACEMENTS, Heads: their old home, kept)
+    GATED_ACTIVATIONS,
+    HEADS,
+    PLACEMENTS,
+    EncoderStackConfig,
+    Heads,
+    Placement,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -708,6 +715,8 @@ AttentionInterface.register(BANDED_ATTENTION, banded_attention)
 class LayerProjection(nn.Linear):
     """A projection inside a layer, whose init the placement may set (DeepScaleLM's normal(0, 1/fan_in))."""
 
+    init_std: float | None = None  # set by the layer from its rows; None: BERT's init
+
 
 class BranchProjection(LayerProjection):
     """A projection whose init the placement scales (DeepNet's beta): value, attention output and feed-forward."""
@@ -783,90 +792,12 @@ class EncoderStackMLP(nn.Module):
         return self.down(self.act(self.up(hidden_states)))
 
 
-def unscaled(count: int) -> float:
-    return 1.0
-
-
-@dataclass(frozen=True)
-class Placement:
-    """One normalization placement, the whole of it: the norms around each sublayer F, the scales on its shortcut,
-    branch and input as functions of the depth N (or of the 1-based layer l), the init, ResiDual's second stream, and,
-    for placements whose sublayers differ, the row each sublayer follows. The README gives the equations."""
-
-    norm_in: bool = False  # F(LN(h))
-    norm_branch: bool = False  # LN(F(.)) before the residual add
-    norm_out: bool = False  # LN(h + F(.))
-    final_norm: bool = False  # one more norm after the last layer
-    dual_stream: bool = False  # ResiDual: also accumulate the un-normalized sum of every F
-    qkv_norm: bool = False  # HybridNorm: attention normalizes each head's query, key and value
-    omega: bool = False  # Admin: a learnable per-feature shortcut scale, h -> LN(omega * h + F(h)), see profile_admin
-    alpha: Callable[[int], float] = unscaled  # h -> LN(alpha(N) h + F(.)); DeepScaleLM's lambda
-    branch_scale: Callable[[int], float] = unscaled  # h -> h + beta(N) F(.), DeepScaleLM's beta
-    input_scale: Callable[[int], float] = unscaled  # F(scale(l) LN(h)), l the 1-based layer: LayerNorm Scaling
-    init_gain: Callable[[int], float] = unscaled  # on the init std of every `BranchProjection`
-    fan_in_init: bool = False  # every projection of a layer starts from normal(0, 1/fan_in): DeepScaleLM
-    # (config, 0-based layer index, "attention" or "mlp") -> the row that sublayer follows; None: this row
-    per_sublayer: Callable[[EncoderStackConfig, int, str], "Placement"] | None = None
-
-    def at(self, config: EncoderStackConfig, layer_idx: int, sublayer: str) -> "Placement":
-        return self if self.per_sublayer is None else self.per_sublayer(config, layer_idx, sublayer)
-
-
-def mix_ln(config: EncoderStackConfig, layer_idx: int, sublayer: str) -> Placement:
-    """Mix-LN: post-LN in the first floor(mix_ln_ratio * N) layers, pre-LN after."""
-    post_layers = math.floor(config.mix_ln_ratio * config.num_hidden_layers)
-    return PLACEMENTS["post"] if layer_idx < post_layers else PLACEMENTS["pre"]
-
-
-def hybrid_norm(config: EncoderStackConfig, layer_idx: int, sublayer: str) -> Placement:
-    """HybridNorm, x' = x + Attn(QKV-norm); x = LN(x') + FFN(LN(x')): written per sublayer, the norm after the
-    attention's add, and a plain residual around the feed-forward network (its input and shortcut are that norm)."""
-    return Placement(norm_out=True, qkv_norm=True) if sublayer == "attention" else Placement()
-
-
-def hybrid_norm_star(config: EncoderStackConfig, layer_idx: int, sublayer: str) -> Placement:
-    """HybridNorm*: the first layer pre-LN around both sublayers (its attention keeps the QKV-norm)."""
-    if layer_idx == 0:
-        return Placement(norm_in=True, qkv_norm=sublayer == "attention")
-    return hybrid_norm(config, layer_idx, sublayer)
-
-
-def pre_skip_first(config: EncoderStackConfig, layer_idx: int, sublayer: str) -> Placement:
-    """ModernBERT's pre-LN: the first attention reads the normalized embeddings without a norm of its own."""
-    return Placement() if (layer_idx, sublayer) == (0, "attention") else PLACEMENTS["pre"]
-
-
-SANDWICH = Placement(norm_in=True, norm_branch=True, final_norm=True)
-PLACEMENTS = {
-    "post": Placement(norm_out=True),
-    "pre": Placement(norm_in=True, final_norm=True),
-    "sandwich": SANDWICH,
-    "deepnorm": Placement(norm_out=True, alpha=lambda n: (2 * n) ** 0.25, init_gain=lambda n: (8 * n) ** -0.25),
-    "resi_dual": Placement(norm_out=True, final_norm=True, dual_stream=True),
-    "peri": SANDWICH,  # Peri-LN is the literature's name for the sandwich block
-    "mix": Placement(final_norm=True, per_sublayer=mix_ln),
-    "lns": Placement(norm_in=True, final_norm=True, input_scale=lambda layer: layer**-0.5),
-    "hybrid": Placement(final_norm=True, per_sublayer=hybrid_norm),
-    "hybrid_star": Placement(final_norm=True, per_sublayer=hybrid_norm_star),
-    "admin": Placement(norm_out=True, omega=True),
-    "deepscale": Placement(
-        norm_in=True,
-        final_norm=True,
-        alpha=lambda n: (1 - 1 / n) ** 0.5,
-        branch_scale=lambda n: (1 / n) ** 0.5,
-        fan_in_init=True,
-    ),
-    "pre_skip_first": Placement(final_norm=True, per_sublayer=pre_skip_first),
-}
-
-
 class Residual(nn.Module):
     """One sublayer wrapped in its residual connection and norms, as the placement's row for this layer and sublayer
     says: the only code that applies a placement."""
 
-    def __init__(self, config: EncoderStackConfig, layer_idx: int, sublayer: str):
+    def __init__(self, config: EncoderStackConfig, placement: Placement, layer_idx: int):
         super().__init__()
-        placement = PLACEMENTS[config.norm_placement].at(config, layer_idx, sublayer)
         self.norm_in = make_norm(config) if placement.norm_in else nn.Identity()
         self.norm_branch = make_norm(config) if placement.norm_branch else nn.Identity()
         self.norm_out = make_norm(config) if placement.norm_out else nn.Identity()
@@ -899,12 +830,18 @@ class EncoderStackLayer(GradientCheckpointingLayer):
 
     def __init__(self, config: EncoderStackConfig, layer_idx: int):
         super().__init__()
-        attention = PLACEMENTS[config.norm_placement].at(config, layer_idx, "attention")
+        placement = PLACEMENTS[config.norm_placement]
+        attention, mlp = (placement.at(config, layer_idx, sublayer) for sublayer in ("attention", "mlp"))
         self.layer_type = layer_type_of(config, layer_idx)
         self.attention = EncoderStackAttention(config, qkv_norm=attention.qkv_norm, layer_type=self.layer_type)
-        self.attention_residual = Residual(config, layer_idx, "attention")
+        self.attention_residual = Residual(config, attention, layer_idx)
         self.mlp = EncoderStackMLP(config)
-        self.mlp_residual = Residual(config, layer_idx, "mlp")
+        self.mlp_residual = Residual(config, mlp, layer_idx)
+        for sublayer, row in ((self.attention, attention), (self.mlp, mlp)):
+            for projection in sublayer.modules():
+                if isinstance(projection, LayerProjection):
+                    branch = isinstance(projection, BranchProjection)
+                    projection.init_std = row.init_std(config, projection.in_features, branch)
 
     def forward(self, hidden_states, dual, attention_mask, rotary=None, **kwargs):
         """`rotary`: {layer type: (cos, sin)}, of which this layer takes its type's."""
@@ -940,37 +877,6 @@ class EncoderStackPooler(nn.Module):
         return torch.tanh(self.dense(first_tokens))
 
 
-@dataclass(frozen=True)
-class Heads:
-    """The parts of the task heads that differ between the BERT-family layouts (`config.head_layout`), the way
-    `Placement` holds a placement: what feeds the sequence-level classifiers (None: BERT's pooler in the encoder; an
-    activation: the head's own dense layer and that activation on the first token, without a pooler) and the
-    masked-LM head's activation (None: `hidden_act`); whether the bare encoder has BERT's pooler at all; whether the
-    per-token classifiers also get the dense layer and activation first, and whether a norm follows them (ModernBERT's
-    prediction head); and what the masked-LM head is: `"transform"` (dense, activation, norm, decoder: BERT's),
-    `"decoder"` (the decoder alone) or `"two_layer"` (dense, activation, dense back, activation, decoder)."""
-
-    sequence: str | None = None  # sequence classification
-    choice: str | None = None  # multiple choice
-    token: str | None = None  # token classification and question answering
-    lm_act: str | None = None
-    pooler: bool = True
-    transform_norm: bool = False
-    lm: str = "transform"
-
-
-HEADS = {
-    "bert": Heads(),
-    "roberta": Heads(sequence="tanh", lm_act="gelu"),  # multiple choice keeps the pooler, as RoBERTa's does
-    "electra": Heads(sequence="gelu", choice="gelu", lm_act="gelu", pooler=False),
-    "distilbert": Heads(sequence="relu", choice="relu", pooler=False),
-    "modernbert": Heads(sequence="gelu", choice="gelu", token="gelu", lm_act="gelu", pooler=False, transform_norm=True),
-    "eurobert": Heads(sequence="gelu", pooler=False, lm="decoder"),
-    "ultrabert": Heads(lm_act="gelu_pytorch_tanh", pooler=False, lm="two_layer"),
-    "neobert": Heads(sequence="tanh", pooler=False, lm="decoder"),
-}
-
-
 class EncoderStackLMHead(nn.Module):
     """The masked-LM head, as the layout's `Heads.lm` says: BERT's dense, activation, norm, then the decoder tied to
     the word embeddings (at `embedding_size` where the embeddings are narrower than the hidden states, as ELECTRA's
@@ -999,6 +905,11 @@ class EncoderStackLMHead(nn.Module):
         if self.dense_out is not None:
             hidden_states = self.act(self.dense_out(hidden_states))
         return self.decoder(self.norm(hidden_states))
+
+
+def has_shortcut_scales(encoder) -> bool:
+    """Whether the encoder's residuals hold Admin's omegas, which profiling sets."""
+    return any(layer.attention_residual.omega is not None for layer in encoder.layers)
 
 
 class EncoderStackPreTrainedModel(PreTrainedModel):
@@ -1041,13 +952,8 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
         DeepScaleLM's normal(0, 1/fan_in) for every projection of a layer; Admin's omega starts at 1 (see
         `profile_admin`), DyT/Derf at weight 1, bias 0, alpha `dyt_alpha_init`, shift 0."""
         super()._init_weights(module)
-        placement = PLACEMENTS[self.config.norm_placement]
-        if isinstance(module, LayerProjection) and placement.fan_in_init:
-            init.normal_(module.weight, mean=0.0, std=module.in_features**-0.5)
-        elif isinstance(module, BranchProjection):
-            gain = placement.init_gain(self.config.num_hidden_layers)
-            if gain != 1.0:
-                init.normal_(module.weight, mean=0.0, std=self.config.initializer_range * gain)
+        if isinstance(module, LayerProjection) and module.init_std is not None:
+            init.normal_(module.weight, mean=0.0, std=module.init_std)
         elif isinstance(module, Residual) and module.omega is not None:
             init.ones_(module.omega)
         elif isinstance(module, DynamicTanh):
@@ -1062,6 +968,12 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
                 init.copy_(getattr(module, f"{layer_type}_inv_freq"), inv_freq)
                 init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), inv_freq)
 
+    def prepare_for_training(self, input_ids, attention_mask=None, token_type_ids=None) -> None:
+        """What a fresh model does on a typical batch before its first training step, as its placement needs: Admin's
+        shortcut scales profiled (`profile_admin`); nothing for the other placements."""
+        if has_shortcut_scales(self.model if isinstance(self, EncoderStackHead) else self):
+            self.profile_admin(input_ids, attention_mask, token_type_ids=token_type_ids)
+
     @torch.no_grad()
     def profile_admin(self, input_ids, attention_mask=None, token_type_ids=None) -> list[float]:
         """Admin (Liu et al. 2020): set every sublayer's shortcut scale omega from one forward pass on a batch, as its
@@ -1069,7 +981,7 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
         the sublayers in order, variances over every feature of the real tokens. Call it once, before training, on a
         typical batch; returns the omegas. Only for `norm_placement="admin"`."""
         encoder = self.model if isinstance(self, EncoderStackHead) else self
-        if self.config.norm_placement != "admin":
+        if not has_shortcut_scales(encoder):
             raise ValueError(f"profile_admin is for norm_placement='admin', not {self.config.norm_placement!r}.")
         real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         omegas, shortcut = [1.0], []
