@@ -145,7 +145,7 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class PlanFacts:
-    """Everything the execution plan depends on, read once per forward (see `EncoderStackModel.plan_facts`)."""
+    """Everything the execution plan depends on, read once per forward (see `plan_facts`)."""
 
     inputs: str  # one of INPUT_KINDS
     backend: str  # config._attn_implementation

@@ -678,12 +678,9 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         padding_free=None,
         **kwargs,
     ) -> ExecutionPlan:
-        """Checks the inputs, then decides how a forward on them runs (`decide_plan`), with the packing it runs on:
-        what `forward` does first, and the way to ask from Python which plan given inputs get. Logged at debug level.
-
-        Flattened rows (`position_ids` that restart inside a row, or `cu_seq_lens_q/k`: what
-        `DataCollatorWithFlattening` gives) always get a packing, so that no sequence attends to its neighbours.
-        """
+        """How a forward on these inputs runs, with the packing it runs on (`execution_encoderstack.execution_plan`
+        checks the inputs and decides): what `forward` does first, and the way to ask from Python which plan given
+        inputs get. Logged at debug level, under this module's logger."""
         inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         plan = execution_plan(self.config, inputs, padding_free, kwargs, self.dtype, self.training)
         if not torch.compiler.is_compiling():  # a logging call would break the compiled graph
