@@ -120,6 +120,7 @@ def right_padded_batch(suffix):
             "end_positions": torch.tensor([3, 5, 2, 7]),
         },
         "ForMultipleChoice": {"labels": per_row[:2]},
+        "ForNextSentencePrediction": {"labels": per_row},  # a BERT-layout family's
         "ForPreTraining": {"labels": torch.randint(0, 2, (4, 10), generator=generator)},  # replaced or not
     }[suffix]
     return {"input_ids": ids, "attention_mask": mask}, labels
