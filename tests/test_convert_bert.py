@@ -270,6 +270,8 @@ def test_the_old_task_names_convert_as_their_pipeline_names_do_with_a_future_war
     assert json.loads((tmp_path / "cli" / "config.json").read_text())["architectures"] == [
         "EncoderStackForSequenceClassification"
     ]
+    with pytest.warns(FutureWarning, match="task 'base' is now called 'feature-extraction'"):
+        assert TASKS["base"] is TASKS["feature-extraction"]
     with pytest.raises(encoderstack.ConversionError, match="task 'masked_lm' is not one of feature-extraction, "):
         encoderstack.convert(source, tmp_path / "typo", task="masked_lm")
     assert not (tmp_path / "typo").exists()

@@ -101,8 +101,22 @@ class Task:
     head_keys: tuple = ()
 
 
-TASKS = {
-    task.name: task
+class Tasks(dict):
+    """Task name -> Task; an old spelling (`TASK_ALIASES`) still finds its task, with a FutureWarning."""
+
+    def __missing__(self, name):
+        if name not in TASK_ALIASES:
+            raise KeyError(name)
+        warnings.warn(
+            f"task {name!r} is now called {TASK_ALIASES[name]!r}; the old name goes in the next release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self[TASK_ALIASES[name]]
+
+
+TASKS = Tasks(
+    (task.name, task)
     for task in (
         Task("feature-extraction", "Model", "EncoderStackModel"),
         Task("fill-mask", "ForMaskedLM", "EncoderStackForMaskedLM", tuple(LM_HEAD_KEYS)),
@@ -155,7 +169,7 @@ TASKS = {
             ),
         ),
     )
-}
+)
 # The names of 0.x releases, accepted (with a FutureWarning) for one more release.
 TASK_ALIASES = {
     "base": "feature-extraction",
@@ -168,16 +182,10 @@ BERT_TASKS = tuple(name for name in TASKS if name != "replaced-token-detection")
 
 def task_named(name: str, error: type[Exception] = ConversionError) -> Task:
     """The task of that name, or of an old spelling (with a FutureWarning); `error` names the known ones."""
-    if name in TASK_ALIASES:
-        warnings.warn(
-            f"task {name!r} is now called {TASK_ALIASES[name]!r}; the old name goes in the next release",
-            FutureWarning,
-            stacklevel=3,
-        )
-        name = TASK_ALIASES[name]
-    if name not in TASKS:
-        raise error(f"task {name!r} is not one of {', '.join(sorted(TASKS))}")
-    return TASKS[name]
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise error(f"task {name!r} is not one of {', '.join(sorted(TASKS))}") from None
 
 
 # Keys of a BERT checkpoint that are deliberately not converted, with the reason recorded in conversion.json.
