@@ -10,6 +10,7 @@ from conftest import real
 from safetensors.torch import load_file, save_file
 
 import encoderstack
+import encoderstack.cli
 from encoderstack.conversion.keymap import FAMILIES, TASKS
 from encoderstack.conversion.verify import OUTPUTS
 
@@ -246,14 +247,34 @@ def test_next_sentence_prediction_becomes_two_way_sequence_classification(tmp_pa
 
 def test_a_task_override_keeps_the_encoder_and_reports_the_head_it_drops(tmp_path):
     source = bert_folder(tmp_path / "bert", "ForPreTraining")
-    folder = encoderstack.convert(source, tmp_path / "out", task="masked-lm")
+    folder = encoderstack.convert(source, tmp_path / "out", task="fill-mask")
     report = json.loads((folder / "conversion.json").read_text())
     assert report["encoderstack_class"] == "EncoderStackForMaskedLM"
     assert (
-        report["skipped"]["cls.seq_relationship.weight"] == "head of task 'pretraining', not used by task 'masked-lm'"
+        report["skipped"]["cls.seq_relationship.weight"] == "head of task 'pretraining', not used by task 'fill-mask'"
     )
     reference = transformers.BertForMaskedLM.from_pretrained(source).eval()
     assert_parity(reference, encoderstack.EncoderStackForMaskedLM.from_pretrained(folder).eval(), "ForMaskedLM", "sdpa")
+
+
+def test_the_old_task_names_convert_as_their_pipeline_names_do_with_a_future_warning(tmp_path, capsys):
+    source = bert_folder(tmp_path / "bert", "ForPreTraining")
+    new = encoderstack.convert(source, tmp_path / "new", task="fill-mask", verify=False)
+    with pytest.warns(FutureWarning, match="task 'masked-lm' is now called 'fill-mask'"):
+        old = encoderstack.convert(source, tmp_path / "old", task="masked-lm", verify=False)
+    assert json.loads((old / "conversion.json").read_text())["task"] == "fill-mask"
+    assert (old / "model.safetensors").read_bytes() == (new / "model.safetensors").read_bytes()
+    with pytest.warns(FutureWarning, match="'text-classification'"):
+        argv = ["convert", str(source), str(tmp_path / "cli"), "--task", "sequence-classification", "--no-verify"]
+        assert encoderstack.cli.main(argv) == 0
+    assert json.loads((tmp_path / "cli" / "config.json").read_text())["architectures"] == [
+        "EncoderStackForSequenceClassification"
+    ]
+    with pytest.warns(FutureWarning, match="task 'base' is now called 'feature-extraction'"):
+        assert TASKS["base"] is TASKS["feature-extraction"]
+    with pytest.raises(encoderstack.ConversionError, match="task 'masked_lm' is not one of feature-extraction, "):
+        encoderstack.convert(source, tmp_path / "typo", task="masked_lm")
+    assert not (tmp_path / "typo").exists()
 
 
 def test_a_task_override_to_a_new_head_lists_what_it_initialized(tmp_path):
@@ -366,7 +387,7 @@ def test_export_bert_refuses_a_placement_bert_cannot_express(tmp_path):
         )
     )
     model.save_pretrained(tmp_path / "sandwich")
-    with pytest.raises(encoderstack.ConversionError, match="BERT cannot express norm_placement='sandwich'"):
+    with pytest.raises(encoderstack.ConversionError, match="bert cannot express norm_placement='sandwich'"):
         encoderstack.export_bert(tmp_path / "sandwich", tmp_path / "bert")
     assert not (tmp_path / "bert").exists()
 

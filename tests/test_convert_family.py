@@ -13,16 +13,22 @@ from conftest import real
 from safetensors.torch import load_file
 
 import encoderstack
+from encoderstack.configuration_encoderstack import HEAD_LAYOUTS
+from encoderstack.conversion.keymap import FAMILIES as REGISTRY
+from encoderstack.conversion.keymap import TASKS
 
-FAMILIES = {  # model_type -> the prefix of its transformers classes
-    "roberta": "Roberta",
-    "xlm-roberta": "XLMRoberta",
-    "camembert": "Camembert",
-    "roberta-prelayernorm": "RobertaPreLayerNorm",
-    "xlm-roberta-xl": "XLMRobertaXL",
-    "electra": "Electra",
-    "distilbert": "DistilBert",
-}
+
+def suffixes(family: str) -> tuple:
+    """The suffixes of the transformers classes of every head the family declares (ELECTRA's discriminator:
+    ForPreTraining)."""
+    declared = REGISTRY[family]
+    return tuple(
+        declared.architecture(TASKS[task]).removeprefix(declared.architecture_prefix) for task in declared.tasks
+    )
+
+
+TESTED_HERE = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "xlm-roberta-xl", "electra", "distilbert")
+FAMILIES = {name: REGISTRY[name].architecture_prefix for name in TESTED_HERE}  # model_type -> its classes' prefix
 OFFSET_FAMILIES = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "xlm-roberta-xl")
 SUFFIXES = (
     "Model",
@@ -32,7 +38,7 @@ SUFFIXES = (
     "ForQuestionAnswering",
     "ForMultipleChoice",
 )
-MATRIX = [(family, suffix) for family in FAMILIES for suffix in SUFFIXES] + [("electra", "ForPreTraining")]
+MATRIX = [(family, suffix) for family in FAMILIES for suffix in suffixes(family)]
 OUTPUTS = ("last_hidden_state", "pooler_output", "logits", "start_logits", "end_logits")
 PAD = 1  # RoBERTa's pad_token_id: positions count from 2
 
@@ -114,6 +120,7 @@ def right_padded_batch(suffix):
             "end_positions": torch.tensor([3, 5, 2, 7]),
         },
         "ForMultipleChoice": {"labels": per_row[:2]},
+        "ForNextSentencePrediction": {"labels": per_row},  # a BERT-layout family's
         "ForPreTraining": {"labels": torch.randint(0, 2, (4, 10), generator=generator)},  # replaced or not
     }[suffix]
     return {"input_ids": ids, "attention_mask": mask}, labels
@@ -229,6 +236,19 @@ def test_flattened_rows_give_each_sequence_what_the_familys_class_gives_it_alone
         name = "last_hidden_state" if suffix == "Model" else "logits"
         alone = [getattr(reference(input_ids=ids[:, a:b]), name)[0] for a, b in zip(bounds, bounds[1:])]
     torch.testing.assert_close(getattr(flattened, name)[0], torch.cat(alone), atol=1e-5, rtol=0)
+
+
+def test_every_declared_family_has_a_parity_test_and_declares_its_layout_export_and_reference_truly():
+    from test_convert_modern import FAMILIES as MODERN
+    from test_convert_rope_families import FAMILIES as ROPE
+
+    # bert and megatron-bert: test_convert_bert.py; neobert: against its transcription (test_convert_modern.py)
+    assert sorted({"bert", "megatron-bert", "neobert", *FAMILIES, *MODERN, *ROPE}) == sorted(REGISTRY)
+    for name, family in REGISTRY.items():
+        assert family.head_layout in HEAD_LAYOUTS, name
+        assert family.transformers_reference == hasattr(transformers, family.architecture(TASKS["fill-mask"])), name
+        if family.export_config:
+            assert getattr(transformers, family.export_config).model_type == name
 
 
 def test_the_conversion_accounts_for_every_roberta_tensor_and_records_the_family_and_parity(tmp_path):

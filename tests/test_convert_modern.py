@@ -11,16 +11,14 @@ import torch
 import transformers
 from conftest import real
 from safetensors.torch import load_file
-from test_convert_family import SUFFIXES, assert_parity, right_padded_batch, save_random, to_left
+from test_convert_family import REGISTRY, assert_parity, right_padded_batch, save_random, suffixes, to_left
 
 import encoderstack
 
 PAD = 1
 WIDE = 16  # a sliding radius wider than every test sequence (10 tokens)
 FAMILIES = {  # model_type -> (class prefix, suffixes its family has)
-    "modernbert": ("ModernBert", SUFFIXES),  # all six, as RoBERTa's
-    "eurobert": ("EuroBert", SUFFIXES[:4]),
-    "ultrabert": ("Ultrabert", SUFFIXES[:5]),
+    name: (REGISTRY[name].architecture_prefix, suffixes(name)) for name in ("modernbert", "eurobert", "ultrabert")
 }
 # Variants: each family as its checkpoints are, and with the switches its config has turned the other way.
 VARIANTS = {
@@ -237,7 +235,7 @@ BREAKAGES = {  # what is broken -> (family, its variant, the broken key map entr
         "ultrabert",
         "default",
         lambda entry: replace(
-            entry, head_keys={"masked-lm": swap_targets(entry.head_keys["masked-lm"], "linear1", "linear2")}
+            entry, head_keys={"fill-mask": swap_targets(entry.head_keys["fill-mask"], "linear1", "linear2")}
         ),
         r"'head.linear1.weight' has shape \[24, 32\], but 'lm_head.dense_out.weight' needs \[32, 24\]",  # refused early
     ),

@@ -11,28 +11,21 @@ import transformers
 from safetensors.torch import load_file, save_file
 from test_convert_family import (
     PAD,
+    REGISTRY,
     assert_parity,
     assert_token_types_are_ignored_as_the_reference_ignores_them,
     bert_positions_of_left_padding,
     converted_pair,
     right_padded_batch,
     save_random,
+    suffixes,
 )
 
 import encoderstack
 
+BASES = {"gte": 5000.0, "nomic_bert": 3000.0, "jina_embeddings_v3": 7000.0}  # a rotary base other than its default
 FAMILIES = {  # model_type -> (class prefix, its heads, a rotary base other than its default)
-    "gte": ("Gte", ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification"), 5000.0),
-    "nomic_bert": (
-        "NomicBert",
-        ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification"),
-        3000.0,
-    ),
-    "jina_embeddings_v3": (
-        "JinaEmbeddingsV3",
-        ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering"),
-        7000.0,
-    ),
+    name: (REGISTRY[name].architecture_prefix, suffixes(name), base) for name, base in BASES.items()
 }
 MATRIX = [(family, suffix) for family, (_, suffixes, _) in FAMILIES.items() for suffix in suffixes]
 

@@ -5,6 +5,7 @@ tokenizer; int8 is measured on real sentences; bad input fails in one line, writ
 Exports are slow (tens of seconds each even for a tiny model), so each tiny case covers one head together with a
 placement, a position type, an activation and a norm type: seven exports cover every value of each."""
 
+import contextlib
 import importlib
 import json
 import re
@@ -420,9 +421,22 @@ def test_cli_refuses_to_export_a_head_the_folder_holds_no_weights_for_in_one_lin
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_takes_the_pipeline_task_names_and_the_old_ones_with_a_future_warning(tmp_path, capsys):
+    build(ES.EncoderStackModel).save_pretrained(tmp_path / "model")
+    refusal = f"encoderstack: error: {tmp_path / 'model'}: no weights for classifier.bias, classifier.weight of "
+    for task in ("text-classification", "sequence-classification"):
+        argv = ["export-onnx", str(tmp_path / "model"), str(tmp_path / "out"), "--task", task]
+        with pytest.warns(FutureWarning) if task == "sequence-classification" else contextlib.nullcontext():
+            code, err = run_cli(argv, capsys)
+        assert code == 2 and len(err) == 1 and err[0].startswith(refusal + "EncoderStackForSequenceClassification")
+    with pytest.raises(ExportError, match="task 'masked_lm' is not one of feature-extraction, fill-mask, "):
+        ES.export_onnx(tmp_path / "model", tmp_path / "out", task="masked_lm")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_bare_model_from_a_folder_without_a_pooler_exports_without_pooler_output(tmp_path):
     build(ES.EncoderStackForMaskedLM, num_hidden_layers=1).save_pretrained(tmp_path / "mlm")  # BERT's MLM: no pooler
-    folder = ES.export_onnx(tmp_path / "mlm", tmp_path / "out", task="base")
+    folder = ES.export_onnx(tmp_path / "mlm", tmp_path / "out", task="feature-extraction")
     assert json.loads((folder / RECORD).read_text())["outputs"] == ["last_hidden_state"]
     assert [value.name for value in onnx.load(folder / "model.onnx", load_external_data=False).graph.output] == [
         "last_hidden_state"

@@ -14,6 +14,7 @@ from conftest import sigterm_after
 
 import encoderstack
 from encoderstack.cli import main
+from encoderstack.conversion import keymap
 from encoderstack.finetune import (
     DATA,
     TASKS,
@@ -647,3 +648,9 @@ def test_a_sigterm_during_fine_tuning_removes_the_hidden_checkpoints_as_ctrl_c_d
     assert exit.value.code == 128 + signal.SIGTERM
     assert list(tmp_path.iterdir()) == []  # no .out.checkpoints, no out
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_finetunes_tasks_are_words_of_the_one_task_vocabulary_and_train_the_head_convert_gives_them():
+    assert {name: spec.model_class for name, spec in TASKS.items()} == {
+        name: keymap.TASKS[name].encoderstack_class for name in TASKS
+    }

@@ -65,7 +65,7 @@ def converted_once(tmp_path_factory):
     )
     transformers.BertForPreTraining(config).save_pretrained(scratch / "bert")
     (scratch / "bert" / "README.md").write_text(SOURCE_CARD)
-    return encoderstack.convert(scratch / "bert", scratch / "tiny-encoderstack", task="masked-lm")
+    return encoderstack.convert(scratch / "bert", scratch / "tiny-encoderstack", task="fill-mask")
 
 
 @pytest.fixture

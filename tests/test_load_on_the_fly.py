@@ -109,12 +109,12 @@ def test_a_head_the_source_lacks_starts_as_the_converter_s_does_and_config_kwarg
     torch.manual_seed(3)
     loaded, info = model_class.from_pretrained(source, num_labels=5, output_loading_info=True)
     torch.manual_seed(3)
-    folder = encoderstack.convert(source, tmp_path / "out", task="sequence-classification", verify=False)
+    folder = encoderstack.convert(source, tmp_path / "out", task="text-classification", verify=False)
     assert_same_model(loaded, model_class.from_pretrained(folder, num_labels=5))
     assert loaded.config.num_labels == 5 and info["missing_keys"] == {"classifier.weight", "classifier.bias"}
 
 
-def refusals(source, tmp_path, model_class=encoderstack.EncoderStackForMaskedLM, task="masked-lm"):
+def refusals(source, tmp_path, model_class=encoderstack.EncoderStackForMaskedLM, task="fill-mask"):
     with pytest.raises(ConversionError) as by_convert:
         encoderstack.convert(source, tmp_path / "out", task=task, verify=False)
     with pytest.raises(ConversionError) as by_load:
@@ -155,7 +155,7 @@ def test_a_refused_family_is_refused_by_name(tmp_path):
         vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37
     )
     transformers.AlbertModel(config).save_pretrained(folder)
-    by_load, by_convert = refusals(folder, tmp_path, encoderstack.EncoderStackModel, "base")
+    by_load, by_convert = refusals(folder, tmp_path, encoderstack.EncoderStackModel, "feature-extraction")
     assert by_load == by_convert and "model_type 'albert' cannot be converted" in by_load
 
 
@@ -176,7 +176,7 @@ def test_a_load_that_strays_from_the_plan_is_refused(tmp_path, monkeypatch):
 
 def test_a_mapping_whose_target_is_another_source_name_is_left_to_the_converter():
     whole = {"a.x": (converter.SourceRows("b.x"),), "c.x": (converter.SourceRows("a.x"),)}
-    plan = converter.Plan("bert", TASKS["base"], None, whole, {}, [])
+    plan = converter.Plan("bert", TASKS["feature-extraction"], None, whole, {}, [])
     assert on_the_fly.key_mapping(plan) is None  # transformers would rename a.x -> c.x after b.x -> a.x
     plan.mapped = {"c.x": (converter.SourceRows("a.x"),)}
     assert on_the_fly.key_mapping(plan) == {r"^a\.x$": "c.x"}
@@ -184,7 +184,7 @@ def test_a_mapping_whose_target_is_another_source_name_is_left_to_the_converter(
 
 def test_a_target_built_from_rows_of_a_fused_tensor_is_left_to_the_converter():
     rows = {"q": (converter.SourceRows("qkv", rows=(0, 1)),), "k": (converter.SourceRows("qkv", rows=(2, 3)),)}
-    assert on_the_fly.key_mapping(converter.Plan("x", TASKS["base"], None, rows, {}, [])) is None
+    assert on_the_fly.key_mapping(converter.Plan("x", TASKS["feature-extraction"], None, rows, {}, [])) is None
 
 
 def test_a_tensorflow_release_still_loads_through_a_temporary_conversion(tmp_path):
@@ -207,7 +207,7 @@ def test_a_family_with_fused_projections_loads_through_a_temporary_conversion(fa
     monkeypatch.setattr(on_the_fly, "convert", lambda *a, **k: converted.append(a) or encoderstack.convert(*a, **k))
     model = encoderstack.EncoderStackForMaskedLM.from_pretrained(source)
     assert len(converted) == 1
-    expected = through_the_converter(source, tmp_path / "out", encoderstack.EncoderStackForMaskedLM, TASKS["masked-lm"])
+    expected = through_the_converter(source, tmp_path / "out", encoderstack.EncoderStackForMaskedLM, TASKS["fill-mask"])
     assert_same_model(model, expected)
 
 

@@ -122,12 +122,12 @@ def exported_command(args) -> int:
 
 def add_export_command(commands, format_name: str, runtime: str, quantizer: str) -> None:
     """`export-onnx` and `export-openvino`: the same options (ONNX's opset aside), one function behind them."""
-    from .conversion import TASKS
+    from .conversion.keymap import TASK_CHOICES
 
     command = commands.add_parser(f"export-{format_name}", help=COMMANDS[f"export-{format_name}"])
     command.add_argument("model", help="EncoderStack folder")
     command.add_argument("output", help="output folder (what transformers' ExportedModel.from_pretrained loads)")
-    command.add_argument("--task", choices=sorted(TASKS), help="head to load (default: the folder's architecture)")
+    command.add_argument("--task", choices=TASK_CHOICES, help="head to load (default: the folder's architecture)")
     if format_name == "onnx":
         command.add_argument("--opset", type=int, help="ONNX opset, 18 to 25 (default: torch.onnx's)")
     else:
@@ -200,14 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
     from .commands.diagnose import add_diagnose_command
     from .commands.hub import add_hub_commands
     from .commands.training import add_training_commands
-    from .conversion import TASKS
+    from .conversion.keymap import TASK_CHOICES
 
     parser, commands = top_parser(Parser)
 
     convert = commands.add_parser("convert", help=COMMANDS["convert"])
     convert.add_argument("source", nargs="?", help="BERT folder or Hub id (default: the embedded all-MiniLM-L6-v2)")
     convert.add_argument("output", nargs="?", help=f"output folder (default: ./{DEFAULT_OUTPUT})")
-    convert.add_argument("--task", choices=sorted(TASKS), help="head to convert to (default: from the checkpoint)")
+    convert.add_argument("--task", choices=TASK_CHOICES, help="head to convert to (default: from the checkpoint)")
     convert.add_argument("--no-verify", action="store_true", help="skip the parity check against transformers")
     convert.add_argument("--force", action="store_true", help="replace an existing output folder")
     google = convert.add_argument_group("Google TensorFlow checkpoints")

@@ -27,7 +27,7 @@ from torch import nn
 from . import modeling_encoderstack
 from .checkpoint import expected_tensors, sha256
 from .configuration_encoderstack import EncoderStackConfig
-from .conversion.keymap import TASKS, ConversionError
+from .conversion.keymap import ConversionError, task_named
 from .conversion.sources import require_hf_weights
 from .conversion.verify import OUTPUTS, fitting, sample_batches
 from .finetune import DATA
@@ -126,9 +126,11 @@ def load_model(model_or_folder, task: str | None) -> tuple[EncoderStackPreTraine
             f"{folder / 'config.json'}: model_type {config.get('model_type')!r} is not an EncoderStack "
             "model; convert it first (encoderstack convert)"
         )
-    if task is not None and task not in TASKS:
-        raise ExportError(f"task {task!r} is not one of {', '.join(sorted(TASKS))}")
-    class_name = TASKS[task].encoderstack_class if task else (config.get("architectures") or ["EncoderStackModel"])[0]
+    class_name = (
+        task_named(task, ExportError).encoderstack_class
+        if task
+        else (config.get("architectures") or ["EncoderStackModel"])[0]
+    )
     if class_name not in modeling_encoderstack.__all__ or not class_name.startswith("EncoderStack"):
         raise ExportError(f"{folder / 'config.json'}: architecture {class_name!r} is not an EncoderStack model class")
     tokenizer = load_tokenizer(folder, config.get("vocab_size"))  # before the weights: a mismatch fails fast

@@ -17,6 +17,7 @@ import torch
 import transformers
 
 from . import modeling_encoderstack
+from .conversion import keymap
 from .conversion.keymap import ConversionError, task_for_architecture
 from .hub_card import write_card
 from .output_folder import OutputFolder, terminating_signals_raise
@@ -219,11 +220,14 @@ def as_list(value) -> list:
 class Task:
     """How one kind of task reads its rows, encodes them and scores predictions."""
 
-    name: str
-    model_class: str
+    name: str  # one of conversion's tasks, whose head it trains
     columns: tuple
     metric: str
     optional: tuple = ()
+
+    @property
+    def model_class(self) -> str:
+        return keymap.TASKS[self.name].encoderstack_class
 
     def labels(self, rows) -> list[str]:
         if self.name == "text-classification":
@@ -312,22 +316,10 @@ class Task:
 
 
 TASKS = {
-    "text-classification": Task(
-        "text-classification",
-        "EncoderStackForSequenceClassification",
-        ("text", "label"),
-        "accuracy",
-        optional=("text_pair",),
-    ),
-    "token-classification": Task(
-        "token-classification", "EncoderStackForTokenClassification", ("tokens", "tags"), "f1"
-    ),
+    "text-classification": Task("text-classification", ("text", "label"), "accuracy", optional=("text_pair",)),
+    "token-classification": Task("token-classification", ("tokens", "tags"), "f1"),
     "question-answering": Task(
-        "question-answering",
-        "EncoderStackForQuestionAnswering",
-        ("question", "context", "answer"),
-        "exact_match",
-        optional=("answer_start",),
+        "question-answering", ("question", "context", "answer"), "exact_match", optional=("answer_start",)
     ),
 }
 

@@ -37,6 +37,7 @@ from .keymap import (
     Task,
     task_for_architecture,
     task_for_encoderstack_class,
+    task_named,
     translate,
 )
 from .sources import (
@@ -188,6 +189,7 @@ def encoderstack_config(source: Source, family: str, task: Task) -> EncoderStack
             "(EncoderStack converts absolute learned positions)"
         )
     fields = {name: config[name] for name in BERT_FIELDS if name in config}
+    fields["head_layout"] = FAMILIES[family].head_layout
     try:
         fields.update(FAMILIES[family].fields(config))
     except ConversionError as error:
@@ -207,7 +209,7 @@ def encoderstack_config(source: Source, family: str, task: Task) -> EncoderStack
         raise ConversionError(
             f"{source.config_path}: config cannot describe an EncoderStack: {error.__cause__ or error}"
         ) from None
-    if task.name in ("sequence-classification", "token-classification") and result.num_labels < 1:
+    if task.name in ("text-classification", "token-classification") and result.num_labels < 1:
         raise ConversionError(f"{source.config_path}: num_labels is {result.num_labels}; a classifier needs 1 or more")
     return result
 
@@ -244,12 +246,12 @@ def detect_task(source: Source) -> tuple[str, Task]:
         return family, task
     family = FAMILIES[family_name]
     names = {family.local_name(bert) for bert, _ in source.bert_names.values()}
-    token_heads = [TASKS[name] for name in ("pretraining", "replaced-token-detection", "masked-lm")]
+    token_heads = [TASKS[name] for name in ("pretraining", "replaced-token-detection", "fill-mask")]
     for task in (task for task in token_heads if family.has(task)):  # the first whose head keys are all there
         templates = family.head_keys_of(task)
         if all(any(translate(name, [pair]) for name in names) for pair in templates if "decoder.weight" not in pair[0]):
             return family_name, task
-    return family_name, TASKS["base"]
+    return family_name, TASKS["feature-extraction"]
 
 
 def stored_apart(source: Source, first: str | None, second: str | None) -> bool:
@@ -262,7 +264,7 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
     """Decide, for every source tensor, where it goes or why it is skipped; refuse anything else."""
     family_name, detected = detect_task(source)
     family = FAMILIES[family_name]
-    task = TASKS[task_name] if task_name else detected
+    task = task_named(task_name) if task_name else detected
     if not family.has(task):
         raise ConversionError(
             f"{source.config_path}: a {family_name} checkpoint has no {task.name!r} head "
@@ -289,7 +291,7 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
     own_bias = next((key for key, (name, _) in source_names.items() if name in DECODER_OWN_BIASES), None)
     own_bias = own_bias if stored_apart(source, own_bias, bias) else None
     expected = expected_tensors(config, task.encoderstack_class)
-    prefix = "" if task.name == "base" else "model."
+    prefix = "" if task.name == "feature-extraction" else "model."
     other_heads = {pair: other.name for other in TASKS.values() if other != task for pair in family.head_keys_of(other)}
     blocks, skipped = {}, dict(source.skipped)  # blocks: target -> (block count, {block index: SourceRows})
     for key, (name, transpose) in sorted(source_names.items()):
@@ -464,6 +466,7 @@ def convert(
     difference above 1e-5 on any output fails the conversion (nothing is written). For Google's TensorFlow
     releases, `gelu` picks the activation ("tanh": the original model's numbers; "erf": transformers' historical
     conversion) and `lowercase` the tokenizer's casing (default: from the folder name)."""
+    task = task_named(task).name if task else None
     source = open_source(source_path, gelu=gelu, lowercase=lowercase)
     try:
         conversion = plan(source, task)
@@ -524,17 +527,15 @@ def check_parity(source: Source, conversion: Plan, folder: Path) -> dict:
     return verify_against_google_bert(source.tensors, conversion, folder)
 
 
-EXPORT_FAMILIES = {  # head_layout -> the family its folder exports to, its name, and its config class
-    "bert": ("bert", "BERT", "BertConfig"),
-    "roberta": ("roberta", "RoBERTa", "RobertaConfig"),
-}
+EXPORT_FAMILIES = {family.head_layout: name for name, family in FAMILIES.items() if family.export_config}
 
 
 def export_family(config: EncoderStackConfig, folder: Path) -> str:
     """The family whose own classes express this folder's layout (BERT, or RoBERTa for a converted RoBERTa)."""
-    family, name, _ = EXPORT_FAMILIES.get(config.head_layout, (None, None, None))
+    family = EXPORT_FAMILIES.get(config.head_layout)
     if family is None:
-        raise ConversionError(f"{folder}: head_layout {config.head_layout!r} is exported to neither BERT nor RoBERTa")
+        targets = " nor ".join(EXPORT_FAMILIES.values())
+        raise ConversionError(f"{folder}: head_layout {config.head_layout!r} is exported to neither {targets}")
     offset = config.pad_token_id + 1 if family == "roberta" and config.pad_token_id is not None else None
     unsupported = {
         "norm_placement": (config.norm_placement, "post"),
@@ -547,12 +548,12 @@ def export_family(config: EncoderStackConfig, folder: Path) -> str:
     for field_name, (value, family_value) in unsupported.items():
         if value != family_value:
             raise ConversionError(
-                f"{folder}: {name} cannot express {field_name}={value!r} ({name} has {family_value!r})"
+                f"{folder}: {family} cannot express {field_name}={value!r} ({family} has {family_value!r})"
             )
     if config.type_vocab_size < 1:
-        raise ConversionError(f"{folder}: {name} cannot express type_vocab_size=0 (it always has token types)")
+        raise ConversionError(f"{folder}: {family} cannot express type_vocab_size=0 (it always has token types)")
     if config.hidden_act not in transformers.activations.ACT2FN:
-        raise ConversionError(f"{folder}: {name} cannot express the gated activation {config.hidden_act!r}")
+        raise ConversionError(f"{folder}: {family} cannot express the gated activation {config.hidden_act!r}")
     return family
 
 
@@ -577,13 +578,13 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
     if not family.has(task):
         raise ConversionError(f"{folder}: {family_name} has no class for {class_name}")
     tensors = require_hf_weights(folder)
-    prefix = "" if task.name == "base" else "model."
+    prefix = "" if task.name == "feature-extraction" else "model."
     mapped = {}
     for key in tensors.keys():  # noqa: SIM118  (a lazy weights reader, not a dict)
         encoder_key = key.removeprefix(prefix) if key.startswith(prefix) else None
         name = translate(encoder_key, family.encoder_keys, reverse=True) if encoder_key else None
         head = translate(key, family.head_keys_of(task), reverse=True)
-        exported = ("" if task.name == "base" else family.key_prefix) + name if name else head
+        exported = ("" if task.name == "feature-extraction" else family.key_prefix) + name if name else head
         if exported is None:
             raise ConversionError(f"{folder}: tensor {key!r} has no {family_name} counterpart")
         mapped[exported] = (SourceRows(key),)
@@ -594,7 +595,7 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
     family_config = {name: getattr(config, name) for name in BERT_FIELDS}
     output = OutputFolder(output_path, force, inputs=[folder])
     with output as partial:
-        getattr(transformers, EXPORT_FAMILIES[config.head_layout][2])(
+        getattr(transformers, family.export_config)(
             **family_config, num_labels=config.num_labels, architectures=[family.architecture(task)]
         ).save_pretrained(partial)
         write_safetensors(partial / "model.safetensors", tensors, mapped)

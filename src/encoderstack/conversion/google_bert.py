@@ -84,17 +84,17 @@ class GoogleBert:
         out = {"last_hidden_state": sequence}
         if "bert/pooler/dense/kernel" in self.names:  # else a new pooler, which verification skips
             pooled = out["pooler_output"] = np.tanh(self.dense(sequence[:, 0], "bert/pooler/dense"))
-        if self.task in ("masked-lm", "pretraining") and "cls/predictions/output_bias" in self.names:
+        if self.task in ("fill-mask", "pretraining") and "cls/predictions/output_bias" in self.names:
             transformed = self.norm(
                 self.act(self.dense(sequence, "cls/predictions/transform/dense")), "cls/predictions/transform/LayerNorm"
             )
             lm = transformed @ self.w("bert/embeddings/word_embeddings").T + self.w("cls/predictions/output_bias")
-            out["logits" if self.task == "masked-lm" else "prediction_logits"] = lm
+            out["logits" if self.task == "fill-mask" else "prediction_logits"] = lm
         if self.task == "pretraining" and "cls/seq_relationship/output_weights" in self.names:
             out["seq_relationship_logits"] = pooled @ self.w("cls/seq_relationship/output_weights").T + self.w(
                 "cls/seq_relationship/output_bias"
             )
-        if self.task == "sequence-classification" and "output_weights" in self.names:
+        if self.task == "text-classification" and "output_weights" in self.names:
             out["logits"] = pooled @ self.w("output_weights").T + self.w("output_bias")
         if self.task == "question-answering" and "cls/squad/output_weights" in self.names:
             spans = sequence @ self.w("cls/squad/output_weights").T + self.w("cls/squad/output_bias")

@@ -11,6 +11,7 @@ EncoderStack fields its layout implies, and where its keys differ from BERT's.
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -91,7 +92,8 @@ def head_part(part: int, of: int, rotary_pairs: bool = False) -> RowSelection:
 
 @dataclass(frozen=True)
 class Task:
-    """One BERT architecture suffix and the EncoderStack class that takes its place."""
+    """One task (transformers' pipeline name where it has one), its BERT architecture suffix and the EncoderStack class
+    that takes its place."""
 
     name: str
     bert_suffix: str  # BertModel -> "Model", BertForMaskedLM -> "ForMaskedLM", ...
@@ -99,11 +101,25 @@ class Task:
     head_keys: tuple = ()
 
 
-TASKS = {
-    task.name: task
+class Tasks(dict):
+    """Task name -> Task; an old spelling (`TASK_ALIASES`) still finds its task, with a FutureWarning."""
+
+    def __missing__(self, name):
+        if name not in TASK_ALIASES:
+            raise KeyError(name)
+        warnings.warn(
+            f"task {name!r} is now called {TASK_ALIASES[name]!r}; the old name goes in the next release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self[TASK_ALIASES[name]]
+
+
+TASKS = Tasks(
+    (task.name, task)
     for task in (
-        Task("base", "Model", "EncoderStackModel"),
-        Task("masked-lm", "ForMaskedLM", "EncoderStackForMaskedLM", tuple(LM_HEAD_KEYS)),
+        Task("feature-extraction", "Model", "EncoderStackModel"),
+        Task("fill-mask", "ForMaskedLM", "EncoderStackForMaskedLM", tuple(LM_HEAD_KEYS)),
         Task(
             "pretraining",
             "ForPreTraining",
@@ -119,7 +135,7 @@ TASKS = {
             (("cls.seq_relationship.{p}", "classifier.{p}"),),
         ),
         Task(
-            "sequence-classification",
+            "text-classification",
             "ForSequenceClassification",
             "EncoderStackForSequenceClassification",
             (("classifier.{p}", "classifier.{p}"),),
@@ -153,8 +169,23 @@ TASKS = {
             ),
         ),
     )
+)
+# The names of 0.x releases, accepted (with a FutureWarning) for one more release.
+TASK_ALIASES = {
+    "base": "feature-extraction",
+    "masked-lm": "fill-mask",
+    "sequence-classification": "text-classification",
 }
+TASK_CHOICES = sorted({*TASKS, *TASK_ALIASES})
 BERT_TASKS = tuple(name for name in TASKS if name != "replaced-token-detection")
+
+
+def task_named(name: str, error: type[Exception] = ConversionError) -> Task:
+    """The task of that name, or of an old spelling (with a FutureWarning); `error` names the known ones."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise error(f"task {name!r} is not one of {', '.join(sorted(TASKS))}") from None
 
 
 # Keys of a BERT checkpoint that are deliberately not converted, with the reason recorded in conversion.json.
@@ -175,17 +206,17 @@ ROBERTA_LM_HEAD_KEYS = (
     ("lm_head.decoder.weight", "lm_head.decoder.weight"),
 )
 ROBERTA_HEAD_KEYS = {
-    "masked-lm": ROBERTA_LM_HEAD_KEYS,
+    "fill-mask": ROBERTA_LM_HEAD_KEYS,
     # RoBERTa's sequence head: dense + tanh on the first token (our `pre_classifier`), then `out_proj`
-    "sequence-classification": (
+    "text-classification": (
         ("classifier.dense.{p}", "pre_classifier.{p}"),
         ("classifier.out_proj.{p}", "classifier.{p}"),
     ),
 }
 ROBERTA_TASKS = (
-    "base",
-    "masked-lm",
-    "sequence-classification",
+    "feature-extraction",
+    "fill-mask",
+    "text-classification",
     "token-classification",
     "question-answering",
     "multiple-choice",
@@ -202,16 +233,19 @@ def roberta_fields(config: dict) -> dict:
     pad = config.get("pad_token_id", 1)
     if not isinstance(pad, int) or isinstance(pad, bool):
         raise ConversionError(f"pad_token_id is {pad!r}; RoBERTa counts positions from pad_token_id + 1: it needs one")
-    return {"position_offset": pad + 1, "head_layout": "roberta"}
+    return {"position_offset": pad + 1}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Family:
-    """One source model family: how its classes and keys are named, the EncoderStack fields its layout implies (from
-    its config.json), the keys it adds to or changes from BERT's, and the heads it has."""
+    """One source model family, declared whole: how its classes and keys are named, the EncoderStack head layout its
+    heads become, the fields its layout implies (from its config.json), the keys it adds to or changes from BERT's,
+    the heads it has, the transformers config its converted folders export back to, and what convert verifies
+    against."""
 
     architecture_prefix: str  # BertForMaskedLM -> "Bert"
     key_prefix: str  # the encoder's prefix inside its task heads' checkpoints
+    head_layout: str = "bert"  # EncoderStackConfig.head_layout
     fields: Callable[[dict], dict] = lambda config: {}
     extra_encoder_keys: tuple = ()
     head_keys: dict = field(default_factory=dict)  # task name -> keys, where they are not BERT's
@@ -219,6 +253,9 @@ class Family:
     skipped: dict = field(default_factory=lambda: dict(SKIPPED_KEYS))
     architecture_names: dict = field(default_factory=dict)  # task name -> class name, where not prefix + suffix
     original_prefixes: tuple = ()  # the encoder's prefix in the release transformers ports, where it differs
+    export_config: str | None = None  # export_bert: the transformers config class of the folder it writes
+    # convert's parity reference: the family's own transformers class for the task (`architecture`), where there is one
+    transformers_reference: bool = True
 
     def architecture(self, task: "Task") -> str:
         return self.architecture_names.get(task.name, self.architecture_prefix + task.bert_suffix)
@@ -239,8 +276,11 @@ class Family:
         return name.removeprefix(prefix)
 
 
-def roberta_family(prefix: str, key_prefix: str = "roberta.", fields=roberta_fields, extra=()) -> Family:
-    return Family(prefix, key_prefix, fields, extra, ROBERTA_HEAD_KEYS, ROBERTA_TASKS, ROBERTA_SKIPPED)
+def roberta_family(**declaration) -> Family:
+    """RoBERTa's kin: its heads, its skipped keys, positions from pad_token_id + 1, unless declared otherwise."""
+    roberta = {"key_prefix": "roberta.", "head_layout": "roberta", "fields": roberta_fields}
+    kin = {"head_keys": ROBERTA_HEAD_KEYS, "tasks": ROBERTA_TASKS, "skipped": ROBERTA_SKIPPED}
+    return Family(**{**roberta, **kin, **declaration})
 
 
 def pre_ln_roberta_fields(embedding_norm: bool) -> Callable[[dict], dict]:
@@ -248,17 +288,21 @@ def pre_ln_roberta_fields(embedding_norm: bool) -> Callable[[dict], dict]:
 
 
 FAMILIES = {
-    "bert": Family("Bert", "bert."),
-    "megatron-bert": Family("MegatronBert", "bert.", lambda config: {"norm_placement": "pre", "embedding_norm": False}),
-    "roberta": roberta_family("Roberta"),
-    "xlm-roberta": roberta_family("XLMRoberta"),
-    "camembert": roberta_family("Camembert"),
+    "bert": Family(architecture_prefix="Bert", key_prefix="bert.", export_config="BertConfig"),
+    "megatron-bert": Family(
+        architecture_prefix="MegatronBert",
+        key_prefix="bert.",
+        fields=lambda config: {"norm_placement": "pre", "embedding_norm": False},
+    ),
+    "roberta": roberta_family(architecture_prefix="Roberta", export_config="RobertaConfig"),
+    "xlm-roberta": roberta_family(architecture_prefix="XLMRoberta"),
+    "camembert": roberta_family(architecture_prefix="Camembert"),
     # Pre-LN RoBERTa: its norms in front of each sublayer, the embedding norm kept, a final norm on the model
     "roberta-prelayernorm": roberta_family(
-        "RobertaPreLayerNorm",
-        "roberta_prelayernorm.",
-        pre_ln_roberta_fields(embedding_norm=True),
-        (
+        architecture_prefix="RobertaPreLayerNorm",
+        key_prefix="roberta_prelayernorm.",
+        fields=pre_ln_roberta_fields(embedding_norm=True),
+        extra_encoder_keys=(
             ("encoder.layer.{i}.attention.LayerNorm.{p}", "layers.{i}.attention_residual.norm_in.{p}"),
             ("encoder.layer.{i}.intermediate.LayerNorm.{p}", "layers.{i}.mlp_residual.norm_in.{p}"),
             ("LayerNorm.{p}", "final.norm.{p}"),
@@ -266,9 +310,9 @@ FAMILIES = {
     ),
     # XLM-R XL/XXL: pre-LN with its own norm names, no embedding norm, the final norm inside the encoder
     "xlm-roberta-xl": roberta_family(
-        "XLMRobertaXL",
+        architecture_prefix="XLMRobertaXL",
         fields=pre_ln_roberta_fields(embedding_norm=False),
-        extra=(
+        extra_encoder_keys=(
             ("encoder.layer.{i}.attention.self_attn_layer_norm.{p}", "layers.{i}.attention_residual.norm_in.{p}"),
             ("encoder.layer.{i}.LayerNorm.{p}", "layers.{i}.mlp_residual.norm_in.{p}"),
             ("encoder.LayerNorm.{p}", "final.norm.{p}"),
@@ -287,7 +331,7 @@ def electra_fields(config: dict) -> dict:
             "(EncoderStack takes the first token, projected, through gelu)"
         )
     size = config.get("embedding_size", config.get("hidden_size"))
-    return {"embedding_size": size if size != config.get("hidden_size") else None, "head_layout": "electra"}
+    return {"embedding_size": size if size != config.get("hidden_size") else None}
 
 
 def distilbert_fields(config: dict) -> dict:
@@ -303,7 +347,7 @@ def distilbert_fields(config: dict) -> dict:
         "seq_classif_dropout": "classifier_dropout",
     }
     fields = {ours: config[theirs] for theirs, ours in renamed.items() if theirs in config}
-    return {**fields, "type_vocab_size": 0, "layer_norm_eps": 1e-12, "head_layout": "distilbert"}
+    return {**fields, "type_vocab_size": 0, "layer_norm_eps": 1e-12}
 
 
 DISTILBERT_ENCODER_KEYS = (
@@ -321,41 +365,43 @@ FIRST_TOKEN_HEAD = (("pre_classifier.{p}", "pre_classifier.{p}"), ("classifier.{
 
 FAMILIES |= {
     "electra": Family(
-        "Electra",
-        "electra.",
-        electra_fields,
-        (("embeddings_project.{p}", "embeddings.project.{p}"),),
-        {
-            "masked-lm": (  # the generator
+        architecture_prefix="Electra",
+        key_prefix="electra.",
+        head_layout="electra",
+        fields=electra_fields,
+        extra_encoder_keys=(("embeddings_project.{p}", "embeddings.project.{p}"),),
+        head_keys={
+            "fill-mask": (  # the generator
                 ("generator_predictions.dense.{p}", "lm_head.dense.{p}"),
                 ("generator_predictions.LayerNorm.{p}", "lm_head.norm.{p}"),
                 ("generator_lm_head.weight", "lm_head.decoder.weight"),
                 ("generator_lm_head.bias", "lm_head.decoder.bias"),
             ),
-            "sequence-classification": ROBERTA_HEAD_KEYS["sequence-classification"],
+            "text-classification": ROBERTA_HEAD_KEYS["text-classification"],
             "multiple-choice": (
                 ("sequence_summary.summary.{p}", "pre_classifier.{p}"),
                 ("classifier.{p}", "classifier.{p}"),
             ),
         },
-        (*ROBERTA_TASKS, "replaced-token-detection"),
+        tasks=(*ROBERTA_TASKS, "replaced-token-detection"),
     ),
     "distilbert": Family(
-        "DistilBert",
-        "distilbert.",
-        distilbert_fields,
-        DISTILBERT_ENCODER_KEYS,
-        {
-            "masked-lm": (
+        architecture_prefix="DistilBert",
+        key_prefix="distilbert.",
+        head_layout="distilbert",
+        fields=distilbert_fields,
+        extra_encoder_keys=DISTILBERT_ENCODER_KEYS,
+        head_keys={
+            "fill-mask": (
                 ("vocab_transform.{p}", "lm_head.dense.{p}"),
                 ("vocab_layer_norm.{p}", "lm_head.norm.{p}"),
                 ("vocab_projector.weight", "lm_head.decoder.weight"),
                 ("vocab_projector.bias", "lm_head.decoder.bias"),
             ),
-            "sequence-classification": FIRST_TOKEN_HEAD,
+            "text-classification": FIRST_TOKEN_HEAD,
             "multiple-choice": FIRST_TOKEN_HEAD,
         },
-        ROBERTA_TASKS,
+        tasks=ROBERTA_TASKS,
     ),
 }
 
@@ -407,14 +453,14 @@ FLASH_LAYER_KEYS = (
     ("encoder.layers.{i}.norm1.{p}", "layers.{i}.attention_residual.norm_out.{p}"),
     ("encoder.layers.{i}.norm2.{p}", "layers.{i}.mlp_residual.norm_out.{p}"),
 )
-ROTARY_TASKS = ("base", "masked-lm", "sequence-classification", "token-classification")
+ROTARY_TASKS = ("feature-extraction", "fill-mask", "text-classification", "token-classification")
 
 FAMILIES |= {
     "gte": Family(
-        "Gte",
-        "gte.",
-        gte_fields,
-        (
+        architecture_prefix="Gte",
+        key_prefix="gte.",
+        fields=gte_fields,
+        extra_encoder_keys=(
             ("encoder.layer.{i}.attention.qkv_proj.{p}", fused_qkv()),
             ("encoder.layer.{i}.attention.o_proj.{p}", "layers.{i}.attention.output.{p}"),
             ("encoder.layer.{i}.attn_ln.{p}", "layers.{i}.attention_residual.norm_out.{p}"),
@@ -423,22 +469,22 @@ FAMILIES |= {
             ("encoder.layer.{i}.mlp.down_proj.{p}", "layers.{i}.mlp.down.{p}"),
             ("encoder.layer.{i}.mlp_ln.{p}", "layers.{i}.mlp_residual.norm_out.{p}"),
         ),
-        {
-            "masked-lm": (
+        head_keys={
+            "fill-mask": (
                 ("lm_head.dense.{p}", "lm_head.dense.{p}"),
                 ("lm_head.norm.{p}", "lm_head.norm.{p}"),
                 ("lm_head.decoder.{p}", "lm_head.decoder.{p}"),
             )
         },
-        ROTARY_TASKS,
+        tasks=ROTARY_TASKS,
         # the remote-code release's heads keep the encoder under `new.` (transformers' port renames it on load)
         original_prefixes=("new.",),
     ),
     "nomic_bert": Family(
-        "NomicBert",
-        "nomic_bert.",
-        nomic_bert_fields,
-        (
+        architecture_prefix="NomicBert",
+        key_prefix="nomic_bert.",
+        fields=nomic_bert_fields,
+        extra_encoder_keys=(
             *FLASH_LAYER_KEYS,
             ("encoder.layers.{i}.attn.Wqkv.{p}", fused_qkv()),
             ("encoder.layers.{i}.attn.out_proj.{p}", "layers.{i}.attention.output.{p}"),
@@ -447,31 +493,28 @@ FAMILIES |= {
             ("encoder.layers.{i}.mlp.fc11.{p}", Piece("layers.{i}.mlp.up.{p}", block=1, of=2)),
             ("encoder.layers.{i}.mlp.fc2.{p}", "layers.{i}.mlp.down.{p}"),
         ),
-        {
-            "masked-lm": (
+        head_keys={
+            "fill-mask": (
                 ("cls.predictions.transform.dense.{p}", "lm_head.dense.{p}"),
                 ("cls.predictions.transform.layer_norm.{p}", "lm_head.norm.{p}"),
                 ("cls.predictions.bias", "lm_head.decoder.bias"),
                 ("cls.predictions.decoder.weight", "lm_head.decoder.weight"),
             )
         },
-        ROTARY_TASKS,
+        tasks=ROTARY_TASKS,
     ),
     # XLM-R with rotary positions (base 20 000); RoBERTa's heads
-    "jina_embeddings_v3": Family(
-        "JinaEmbeddingsV3",
-        "roberta.",
-        lambda config: {**rotary_fields(config, "jina-embeddings-v3", 20_000.0), "head_layout": "roberta"},
-        (
+    "jina_embeddings_v3": roberta_family(
+        architecture_prefix="JinaEmbeddingsV3",
+        fields=lambda config: rotary_fields(config, "jina-embeddings-v3", 20_000.0),
+        extra_encoder_keys=(
             *FLASH_LAYER_KEYS,
             ("encoder.layers.{i}.mixer.Wqkv.{p}", fused_qkv()),
             ("encoder.layers.{i}.mixer.out_proj.{p}", "layers.{i}.attention.output.{p}"),
             ("encoder.layers.{i}.mlp.fc1.{p}", "layers.{i}.mlp.up.{p}"),
             ("encoder.layers.{i}.mlp.fc2.{p}", "layers.{i}.mlp.down.{p}"),
         ),
-        ROBERTA_HEAD_KEYS,
-        (*ROTARY_TASKS, "question-answering"),
-        ROBERTA_SKIPPED,
+        tasks=(*ROTARY_TASKS, "question-answering"),
     ),
 }
 
@@ -531,7 +574,6 @@ def modernbert_fields(config: dict) -> dict:
         "type_vocab_size": 0,
         "hidden_dropout_prob": config.get("mlp_dropout", 0.0),
         "attention_probs_dropout_prob": config.get("attention_dropout", 0.0),
-        "head_layout": "modernbert",
         "classifier_pooling": pooling(config, "ModernBERT", {"cls": "first", "mean": "mean"}),
         "classifier_bias": config.get("classifier_bias", False),
         "decoder_bias": config.get("decoder_bias", True),
@@ -568,7 +610,6 @@ def eurobert_fields(config: dict) -> dict:
     return {
         **llama_style_fields(config, "EuroBERT"),
         "rope_parameters": dict(rope),
-        "head_layout": "eurobert",
         "classifier_pooling": pooling(config, "EuroBERT", {"late": "late", "bos": "first", "mean": "mean"}),
         "decoder_bias": config.get("mlp_bias", False),
     }
@@ -580,7 +621,6 @@ def ultrabert_fields(config: dict) -> dict:
         "rope_parameters": rope_by_type(config, 2_560_000.0, 10_000.0),
         "layer_types": layer_types(config) if config.get("layer_types") else ultrabert_layer_types(config),
         "sliding_window": ultrabert_window(config),
-        "head_layout": "ultrabert",
         "classifier_pooling": pooling(config, "UltraBERT", {"cls": "first", "mean": "mean"}),
         "classifier_bias": False,
         "decoder_bias": False,
@@ -628,10 +668,11 @@ SEQUENCE_CLASSIFIER = (("classifier.{p}", "classifier.{p}"),)
 
 FAMILIES |= {
     "modernbert": Family(
-        "ModernBert",
-        "model.",
-        modernbert_fields,
-        (
+        architecture_prefix="ModernBert",
+        key_prefix="model.",
+        head_layout="modernbert",
+        fields=modernbert_fields,
+        extra_encoder_keys=(
             ("embeddings.tok_embeddings.weight", "embeddings.word_embeddings.weight"),
             ("embeddings.norm.{p}", "embeddings.norm.{p}"),
             ("layers.{i}.attn_norm.{p}", "layers.{i}.attention_residual.norm_in.{p}"),
@@ -648,47 +689,49 @@ FAMILIES |= {
             ("layers.{i}.mlp.Wo.{p}", "layers.{i}.mlp.down.{p}"),
             ("final_norm.{p}", "final.norm.{p}"),
         ),
-        {
-            "masked-lm": (
+        head_keys={
+            "fill-mask": (
                 ("head.dense.{p}", "lm_head.dense.{p}"),
                 ("head.norm.{p}", "lm_head.norm.{p}"),
                 ("decoder.weight", "lm_head.decoder.weight"),
                 ("decoder.bias", "lm_head.decoder.bias"),
             ),
-            "sequence-classification": MODERNBERT_HEAD,
+            "text-classification": MODERNBERT_HEAD,
             "token-classification": MODERNBERT_HEAD,
             "question-answering": MODERNBERT_HEAD,
             "multiple-choice": MODERNBERT_HEAD,
         },
-        ROBERTA_TASKS,
+        tasks=ROBERTA_TASKS,
     ),
     "eurobert": Family(
-        "EuroBert",
-        "model.",
-        eurobert_fields,
-        LLAMA_STYLE_KEYS,
-        {
-            "masked-lm": (("lm_head.{p}", "lm_head.decoder.{p}"),),
-            "sequence-classification": (("dense.{p}", "pre_classifier.{p}"), *SEQUENCE_CLASSIFIER),
+        architecture_prefix="EuroBert",
+        key_prefix="model.",
+        head_layout="eurobert",
+        fields=eurobert_fields,
+        extra_encoder_keys=LLAMA_STYLE_KEYS,
+        head_keys={
+            "fill-mask": (("lm_head.{p}", "lm_head.decoder.{p}"),),
+            "text-classification": (("dense.{p}", "pre_classifier.{p}"), *SEQUENCE_CLASSIFIER),
         },
-        ("base", "masked-lm", "sequence-classification", "token-classification"),
+        tasks=("feature-extraction", "fill-mask", "text-classification", "token-classification"),
     ),
     # on disk (as on the Hub and as transformers saves it): `ultrabert.` and `cls.` where its classes say `model.` and
     # `head.decoder.` (transformers' conversion_mapping.py)
     "ultrabert": Family(
-        "Ultrabert",
-        "ultrabert.",
-        ultrabert_fields,
-        LLAMA_STYLE_KEYS,
-        {
-            "masked-lm": (
+        architecture_prefix="Ultrabert",
+        key_prefix="ultrabert.",
+        head_layout="ultrabert",
+        fields=ultrabert_fields,
+        extra_encoder_keys=LLAMA_STYLE_KEYS,
+        head_keys={
+            "fill-mask": (
                 ("head.linear1.weight", "lm_head.dense.weight"),
                 ("head.linear2.weight", "lm_head.dense_out.weight"),
                 ("cls.weight", "lm_head.decoder.weight"),
             ),
-            "sequence-classification": SEQUENCE_CLASSIFIER,
+            "text-classification": SEQUENCE_CLASSIFIER,
         },
-        ("base", "masked-lm", "sequence-classification", "token-classification", "question-answering"),
+        tasks=("feature-extraction", "fill-mask", "text-classification", "token-classification", "question-answering"),
     ),
 }
 
@@ -720,16 +763,16 @@ def neobert_fields(config: dict) -> dict:
         "hidden_dropout_prob": config.get("dropout", 0.0),
         "attention_probs_dropout_prob": 0.0,
         "classifier_dropout": config.get("classifier_dropout", 0.1),
-        "head_layout": "neobert",
         "tie_word_embeddings": False,
     }
 
 
 FAMILIES["neobert"] = Family(
-    "NeoBERT",
-    "model.",
-    neobert_fields,
-    (
+    architecture_prefix="NeoBERT",
+    key_prefix="model.",
+    head_layout="neobert",
+    fields=neobert_fields,
+    extra_encoder_keys=(
         ("encoder.weight", "embeddings.word_embeddings.weight"),
         (
             "transformer_encoder.{i}.qkv.weight",  # per head [q; k; v]; rotary on pairs (2i, 2i+1)
@@ -746,16 +789,17 @@ FAMILIES["neobert"] = Family(
         ("transformer_encoder.{i}.ffn_norm.{p}", "layers.{i}.mlp_residual.norm_in.{p}"),
         ("layer_norm.{p}", "final.norm.{p}"),
     ),
-    {
-        "masked-lm": (("decoder.{p}", "lm_head.decoder.{p}"),),
-        "sequence-classification": (("dense.{p}", "pre_classifier.{p}"), *SEQUENCE_CLASSIFIER),
+    head_keys={
+        "fill-mask": (("decoder.{p}", "lm_head.decoder.{p}"),),
+        "text-classification": (("dense.{p}", "pre_classifier.{p}"), *SEQUENCE_CLASSIFIER),
     },
-    ("base", "masked-lm", "sequence-classification"),
+    tasks=("feature-extraction", "fill-mask", "text-classification"),
     architecture_names={
-        "base": "NeoBERT",
-        "masked-lm": "NeoBERTLMHead",
-        "sequence-classification": "NeoBERTHFForSequenceClassification",
+        "feature-extraction": "NeoBERT",
+        "fill-mask": "NeoBERTLMHead",
+        "text-classification": "NeoBERTHFForSequenceClassification",
     },
+    transformers_reference=False,  # remote code only
 )
 
 # Families that transformers has but EncoderStack's layers cannot express, and why.

@@ -124,7 +124,10 @@ def skipped_outputs(conversion) -> set:
     skip = set()
     if any(key.endswith("pooler.dense.weight") for key in conversion.initialized):
         skip |= {"pooler_output"}
-    if any(not key.startswith("model.") for key in conversion.initialized) and conversion.task.name != "base":
+    if (
+        any(not key.startswith("model.") for key in conversion.initialized)
+        and conversion.task.name != "feature-extraction"
+    ):
         skip |= set(OUTPUTS) - {"last_hidden_state"}
     return skip
 
@@ -174,13 +177,14 @@ def verify_folder(reference_folder, conversion, folder) -> dict:
     """Load the reference and the converted model in turn (never both at once) on eager and SDPA; compare. Both run in
     float32 whatever the stored dtype: the weights convert exactly, and bf16 rounding (up to 3e-2 apart) would hide a
     wrong one."""
-    name = FAMILIES[conversion.family].architecture(conversion.task)
-    reference_class = getattr(transformers, name, None)
-    if reference_class is None:  # NeoBERT: remote code only, whose forward needs xformers
+    family = FAMILIES[conversion.family]
+    name = family.architecture(conversion.task)
+    if not family.transformers_reference:
         raise ConversionError(
             f"{reference_folder}: {name} has no transformers class to verify parity against; convert with "
             "verify=False (--no-verify)"
         )
+    reference_class = getattr(transformers, name)
     batches = sample_batches(folder, conversion.config, conversion.task.name == "multiple-choice", reference_folder)
     skip = skipped_outputs(conversion)
     results = {}
