@@ -18,6 +18,7 @@ import transformers
 
 from . import modeling_encoderstack
 from .conversion.keymap import ConversionError, task_for_architecture
+from .data import SENTIMENT as DATA  # finetune.DATA: the name callers import
 from .hub_card import write_card
 from .output_folder import OutputFolder, terminating_signals_raise
 from .training import (
@@ -40,7 +41,6 @@ from .training import (
     source_family,
 )
 
-DATA = Path(__file__).parent / "data" / "sentiment"
 # Heads whose `classifier` weights another of them would load as its own when the shapes agree.
 CLASSIFIER_HEADS = (
     "EncoderStackForSequenceClassification",
