@@ -18,8 +18,9 @@ from conftest import record_admin_profiling, tiny_model_folder
 import encoderstack
 from encoderstack import pretrain as pretraining
 from encoderstack.cli import main
+from encoderstack.diagnostics.corpus import stdlib_corpus
 from encoderstack.finetune import DataError
-from encoderstack.pretrain import MaskedFlattening, PretrainError, pretrain, stdlib_corpus
+from encoderstack.pretrain import MaskedFlattening, PretrainError, pretrain
 
 TINY = "hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64,max_position_embeddings=64"
 

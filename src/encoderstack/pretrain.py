@@ -6,7 +6,6 @@ Text is `.txt` (one paragraph a line, blank lines between documents), `.jsonl` (
 them, read line by line (checked as it is read) into a `datasets` Arrow cache that lives only as long as the run.
 """
 
-import ast
 import collections
 import dataclasses
 import hashlib
@@ -14,7 +13,6 @@ import json
 import math
 import shutil
 import sys
-import sysconfig
 import time
 import warnings
 from dataclasses import dataclass
@@ -606,17 +604,17 @@ def pretrain(**settings) -> dict:
         tokenizer, train_set, eval_set, data = prepare_text(
             train_files,
             eval_files,
-            run.train,
-            Path(cache),
-            run.model,
-            run.tokenizer,
-            run.train_tokenizer,
-            folder_config,
-            run.max_length,
-            run.mlm_probability,
-            run.whole_word_mask,
-            args.seed,
-            run.num_proc,
+            train=run.train,
+            cache=Path(cache),
+            max_length=run.max_length,
+            mlm_probability=run.mlm_probability,
+            seed=args.seed,
+            model=run.model,
+            tokenizer=run.tokenizer,
+            train_tokenizer=run.train_tokenizer,
+            folder_config=folder_config,
+            whole_word_mask=run.whole_word_mask,
+            num_proc=run.num_proc,
             eval=run.eval,
             saved_tokenizer=scratch / "tokenizer" if checkpoint is not None else None,
         )
@@ -652,16 +650,17 @@ def held_out(documents, train, seed: int):
 def prepare_text(
     train_files: dict,
     eval_files: dict,
+    *,
     train,
     cache: Path,
-    model,
-    tokenizer,
-    train_tokenizer,
-    folder_config,
     max_length: int,
     mlm_probability: float,
-    whole_word_mask: bool,
     seed: int,
+    model=None,
+    tokenizer=None,
+    train_tokenizer=None,
+    folder_config=None,
+    whole_word_mask: bool = False,
     num_proc=None,
     eval=None,
     saved_tokenizer=None,
@@ -837,66 +836,9 @@ def train_and_save(run, args, config, tokenizer, train_set, eval_set, destinatio
     return record
 
 
-# ------------------------------------------------------------------------------------------------ the stdlib corpus
+def __getattr__(name):
+    if name == "stdlib_corpus":  # moved to its one user, diagnostics.corpus; the old name stays for one release
+        from .diagnostics.corpus import stdlib_corpus
 
-SKIPPED_PARTS = {"test", "tests", "idle_test", "idlelib", "turtledemo", "lib2to3", "pydoc_data", "site-packages"}
-
-
-def stdlib_sources():
-    """The installed Python's standard-library source files, in a fixed order (modules sorted by name)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for name in sorted(sys.stdlib_module_names):
-        if name.startswith("_") or name in SKIPPED_PARTS or name in ("this", "antigravity"):
-            continue
-        if (root / f"{name}.py").is_file():
-            yield root / f"{name}.py"
-        elif (root / name / "__init__.py").is_file():
-            yield from sorted(
-                p for p in (root / name).rglob("*.py") if not SKIPPED_PARTS & set(p.relative_to(root).parts)
-            )
-
-
-def docstrings(path: Path):
-    with warnings.catch_warnings():  # old escape sequences in a few stdlib files
-        warnings.simplefilter("ignore")
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError):
-            return
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            text = ast.get_docstring(node, clean=True)  # what inspect.getdoc gives for the live object
-            if text:
-                yield text
-
-
-def prose(docstring: str) -> str:
-    """A docstring's paragraphs of running text, one a line: no code, no doctests, no tables or argument lists."""
-    paragraphs = []
-    for block in docstring.split("\n\n"):
-        lines = block.splitlines()
-        if any(line.startswith((" ", ">>>", "...", "-", "*", "|", "=")) for line in lines):
-            continue
-        text = " ".join(line.strip() for line in lines)
-        if len(text.split()) >= 6 and sum(c.isalpha() for c in text) > 0.7 * len(text.replace(" ", "")):
-            paragraphs.append(text)
-    return "\n".join(paragraphs)
-
-
-def stdlib_corpus(path, max_bytes: int = 500_000) -> Path:
-    """Write a real English corpus nobody on this project wrote: the prose of the installed Python's standard-library
-    docstrings (PSF licence), one docstring a document, one paragraph a line, whole documents up to `max_bytes`.
-    The same Python gives the same bytes every time."""
-    path, written, seen = Path(path), 0, set()
-    with path.open("w", encoding="utf-8") as out:
-        for source in stdlib_sources():
-            for text in map(prose, docstrings(source)):
-                size = len(text.encode()) + 2
-                if not text or text in seen:
-                    continue
-                if written + size > max_bytes:
-                    return path
-                seen.add(text)
-                out.write(text + "\n\n")
-                written += size
-    return path
+        return stdlib_corpus
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
