@@ -272,7 +272,7 @@ def interrupt_at(patch, step: int):
         if state.global_step == step:
             raise KeyboardInterrupt
 
-    patch.setattr(pretraining.EvaluateAtTheEnd, "on_step_end", interrupt)
+    patch.setattr(pretraining.MaskedFlattening, "on_step_end", interrupt)
 
 
 def record_training_batches(monkeypatch) -> list:

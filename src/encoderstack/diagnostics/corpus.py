@@ -116,10 +116,12 @@ class StepLosses(transformers.TrainerCallback):
 
 
 def comparison_trainer(model, text: CorpusText, args, callbacks=()) -> transformers.Trainer:
-    """pretrain's Trainer with the settings of `pretrain_settings`."""
-    return mlm_trainer(
+    """pretrain's Trainer with the settings of `pretrain_settings`, silent: the comparison reports its own progress."""
+    trainer = mlm_trainer(
         model, args, text.tokenizer, text.train_set, text.eval_set, MLM_PROBABILITY, False, callbacks=list(callbacks)
     )
+    trainer.remove_callback(transformers.PrinterCallback)  # disable_tqdm: Trainer would print every step's log
+    return trainer
 
 
 def initial_model(placement: str, num_layers: int, hidden_size: int, text: CorpusText, seed: int, **fields):
