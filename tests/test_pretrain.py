@@ -125,6 +125,22 @@ def test_a_fresh_tiny_pre_ln_model_trained_from_scratch_lowers_its_eval_loss(cor
     assert len(transformers.AutoTokenizer.from_pretrained(tmp_path / "out")) == 400
 
 
+def test_a_run_evaluated_each_epoch_evaluates_its_last_step_once(corpus, tmp_path):
+    """Trainer evaluates the last step itself: a callback that asked for it again logged the last epoch twice."""
+    record = pretrain(
+        config=TINY,
+        train_tokenizer=400,
+        train=corpus,
+        output=tmp_path / "out",
+        max_length=32,
+        batch_size=32,
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        lr=1e-3,
+    )
+    assert [evaluation["step"] for evaluation in record["evaluations"]] == [0, record["steps"]]
+
+
 def write(path, data: bytes):
     path.write_bytes(data)
     return path
