@@ -13,7 +13,7 @@ import common
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from encoderstack.modeling_encoderstack import PackedSequences, per_sequence_attention
+from encoderstack.execution_encoderstack import PackedSequences, per_sequence_attention
 
 HEAD_SHAPES = {"minilm": (12, 32), "bert-base": (12, 64)}  # heads, head_dim
 

@@ -1,5 +1,8 @@
-"""CPU inference paths: real tokens per second of ONNX Runtime (float32, int8), OpenVINO (float32, int8), BertModel in
-bfloat16 and EncoderStack in float32 and bfloat16, as ratios to BertModel-SDPA float32, same process, interleaved.
+"""CPU inference paths: real tokens per second of ONNX Runtime (float32, int8), OpenVINO (float32, bf16, int8),
+BertModel in bfloat16 and EncoderStack in float32 and bfloat16, as ratios to BertModel-SDPA float32, same process,
+interleaved.
+OpenVINO's precision is pinned per column (`INFERENCE_PRECISION_HINT`): its CPU plugin would otherwise pick bf16 by
+itself on CPUs with AVX-512 BF16 or AMX.
 
     python benchmarks/deployment.py --threads 2                 # minilm, 32x128 and 8x512, full and uniform lengths
     python benchmarks/deployment.py --quick                     # minilm, 32x128, 3 rounds
@@ -22,6 +25,7 @@ VARIANTS = (
     "ORT fp32",
     "ORT int8",
     "OpenVINO fp32",
+    "OpenVINO bf16",
     "OpenVINO int8",
     "BertModel bf16",
     "EncoderStack fp32",
@@ -41,19 +45,23 @@ def export(folder: Path, format_name: str) -> Path:
 
 
 def runtimes(folder: Path, threads: int) -> dict:
-    """The four exports, loaded as users load them, each with `threads` intra-op threads."""
+    """The exports, loaded as users load them (OpenVINO's precision pinned), each with `threads` intra-op threads."""
     import onnxruntime
     from transformers.exporters import ExportedModel
 
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads
     onnx, openvino = export(folder, "onnx"), export(folder, "openvino")
-    ov_config = {"INFERENCE_NUM_THREADS": threads}
+
+    def ov_config(precision):
+        return {"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": precision}
+
     return {
         "ORT fp32": ExportedModel.from_pretrained(onnx, device="cpu", session_options=options),
         "ORT int8": ExportedModel.from_pretrained(onnx / "int8", device="cpu", session_options=options),
-        "OpenVINO fp32": ExportedModel.from_pretrained(openvino, device="cpu", config=ov_config),
-        "OpenVINO int8": ExportedModel.from_pretrained(openvino / "int8", device="cpu", config=ov_config),
+        "OpenVINO fp32": ExportedModel.from_pretrained(openvino, device="cpu", config=ov_config("f32")),
+        "OpenVINO bf16": ExportedModel.from_pretrained(openvino, device="cpu", config=ov_config("bf16")),
+        "OpenVINO int8": ExportedModel.from_pretrained(openvino / "int8", device="cpu", config=ov_config("f32")),
     }
 
 

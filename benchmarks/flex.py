@@ -11,7 +11,7 @@ import torch
 from attention import head_shape, per_sequence, uniform_lengths
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from encoderstack.modeling_encoderstack import PackedSequences
+from encoderstack.execution_encoderstack import PackedSequences
 
 
 def document_mask(packing, device):

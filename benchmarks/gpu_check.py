@@ -33,7 +33,7 @@ import common
 import torch
 from common import encoderstack, transformers
 
-from encoderstack import modeling_encoderstack as modeling
+from encoderstack import execution_encoderstack as execution
 from encoderstack.modeling_encoderstack import AUTO_MAP
 
 HEADS = [  # every class the Auto classes map, the bare model first
@@ -193,7 +193,7 @@ def dropout(args):
     shape = (1, 4, sum(lengths), 64)
     q, k, v = (torch.randn(shape, device=args.device, generator=generator, dtype=torch.bfloat16) for _ in range(3))
     v.requires_grad_()
-    attention = modeling.flash_attention if args.device == "cuda" else cpu_dropout_attention
+    attention = execution.flash_attention if args.device == "cuda" else cpu_dropout_attention
     out, _ = attention(module, q, k, v, None, scaling=0.125, dropout=0.1, cu_seq_lens_q=cu, max_length_q=max(lengths))
     grad = torch.randn(out.shape, device=args.device, generator=generator, dtype=torch.bfloat16)
     (dv,) = torch.autograd.grad(out, v, grad)
@@ -315,7 +315,7 @@ def main():
     results = {}
     try:
         # the checks' batches are tiny: pack them anyway (the benchmarks, in their own processes, plan as users do)
-        modeling.GPU_PACKING_MIN_TOKENS = 0
+        execution.GPU_PACKING_MIN_TOKENS = 0
         sections = (("plan table", plan_table), ("bf16 parity", parity), ("dropout", dropout), ("host syncs", syncs))
         for title, section in sections:
             print(f"\n## {title} ({time.monotonic() - start:.0f} s)", flush=True)

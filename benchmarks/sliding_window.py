@@ -23,7 +23,7 @@ import common
 import torch
 from common import encoderstack, transformers
 
-from encoderstack import modeling_encoderstack
+from encoderstack import execution_encoderstack
 
 STACK = {"hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "intermediate_size": 1024}
 MODERN = {"hidden_size": 256, "num_hidden_layers": 9, "num_attention_heads": 4, "intermediate_size": 384}
@@ -35,12 +35,12 @@ OUT_OF_MEMORY = ("can't allocate memory", "MemoryError", "std::bad_alloc")  # to
 def dense_band():
     """The same model with its sliding layers forced to a dense (tokens x tokens) band mask: what the plan gives
     a compiled forward, and what SDPA/eager sliding layers cost before banded attention."""
-    original = modeling_encoderstack.sliding_attention
-    modeling_encoderstack.sliding_attention = lambda facts, plan: (plan.attention, "a dense band mask (forced)")
+    original = execution_encoderstack.sliding_attention
+    execution_encoderstack.sliding_attention = lambda facts, plan: (plan.attention, "a dense band mask (forced)")
     try:
         yield
     finally:
-        modeling_encoderstack.sliding_attention = original
+        execution_encoderstack.sliding_attention = original
 
 
 def sliding_stack(spec, radius, max_length):
@@ -307,15 +307,15 @@ def block_table(args, iterations):
         for block in (16, 32, 64, 128, 256, 512):
 
             def call(block=block):  # one sliding layer's attention, with the band's layout it reads
-                modeling_encoderstack.band_block = lambda radius: block
-                layout = modeling_encoderstack.band_layout(radius, q.shape[2], None, q.device)
-                modeling_encoderstack.banded_attention(module, q, k, v, layout, 0.125, sliding_window=radius + 1)
+                execution_encoderstack.band_block = lambda radius: block
+                layout = execution_encoderstack.band_layout(radius, q.shape[2], None, q.device)
+                execution_encoderstack.banded_attention(module, q, k, v, layout, 0.125, sliding_window=radius + 1)
 
             variants[block] = call
-        original = modeling_encoderstack.band_block
+        original = execution_encoderstack.band_block
         with torch.inference_mode():
             seconds, _ = common.interleave(variants, iterations, args.device, 64)
-        modeling_encoderstack.band_block = original
+        execution_encoderstack.band_block = original
         best = min(seconds, key=seconds.get)
         rows.append(["banded", radius, *(f"{seconds[b] * 1000:.1f}" for b in variants), best, original(radius)])
     common.print_table(

@@ -308,6 +308,7 @@ def test_the_output_folder_is_a_drop_in_replacement_for_the_source(tmp_path):
         "config.json",
         "model.safetensors",
         "configuration_encoderstack.py",
+        "execution_encoderstack.py",
         "modeling_encoderstack.py",
         "conversion.json",
         "README.md",

@@ -7,8 +7,8 @@ import torch
 from test_execution_plan import facts
 from test_sliding_window import ROUTES, real_rows, reference_states, route_sequences, windowed
 
-from encoderstack import modeling_encoderstack
-from encoderstack.modeling_encoderstack import DENSE_BAND_RADII, PER_SEQUENCE, decide_plan
+from encoderstack import execution_encoderstack
+from encoderstack.execution_encoderstack import DENSE_BAND_RADII, PER_SEQUENCE, decide_plan
 
 BANDED = "encoderstack_banded"
 CPU, H100 = ("cpu", None), ("cuda", (9, 0))
@@ -45,7 +45,7 @@ def test_every_path_with_a_dense_band_mask_gives_the_dense_band_masked_softmax(r
     assert model.execution_plan(**inputs, **options).sliding not in (BANDED, None)
     with torch.no_grad():
         with monkeypatch.context() as patch:  # the reference reads no mask: whole sequences, as the banded path
-            patch.setattr(modeling_encoderstack, "DENSE_BAND_RADII", 0)
+            patch.setattr(execution_encoderstack, "DENSE_BAND_RADII", 0)
             expected = reference_states(model, seqs, patch)
         actual = real_rows(model(**inputs, **options).last_hidden_state, inputs)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)

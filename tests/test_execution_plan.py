@@ -13,8 +13,8 @@ from conftest import build
 from test_packed_sequences import attend_each, flattened, padded, sequences
 
 import encoderstack
-from encoderstack import EncoderStackModel, modeling_encoderstack
-from encoderstack.modeling_encoderstack import (
+from encoderstack import EncoderStackModel, execution_encoderstack
+from encoderstack.execution_encoderstack import (
     INPUT_KINDS,
     PackedSequences,
     PlanFacts,
@@ -223,7 +223,7 @@ def test_the_plan_counts_the_padded_batchs_tokens_and_says_why_a_small_one_stays
     model = build(EncoderStackModel)
     inputs = padded(sequences())
     assert model.execution_plan(**inputs).facts.padded_tokens == inputs["input_ids"].numel()
-    monkeypatch.setattr(modeling_encoderstack, "cuda_capability", lambda device: (9, 0))
+    monkeypatch.setattr(execution_encoderstack, "cuda_capability", lambda device: (9, 0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plan = model.execution_plan(**inputs)
     assert plan.kind == "padded" and "too few for packing to pay on a GPU" in plan.reason
@@ -251,9 +251,9 @@ def test_the_model_exposes_the_plan_its_forward_obeys_and_logs_it(plan_log, monk
     plan = model.execution_plan(**inputs)
     assert plan.kind == "per_sequence" and plan.packing.lengths == [5, 9, 1, 7, 3]
     used = []
-    original = modeling_encoderstack.per_sequence_attention
+    original = execution_encoderstack.per_sequence_attention
     monkeypatch.setitem(
-        modeling_encoderstack.ALL_ATTENTION_FUNCTIONS._global_mapping,
+        execution_encoderstack.ALL_ATTENTION_FUNCTIONS._global_mapping,
         "encoderstack_per_sequence",
         lambda *args, **kwargs: used.append(1) or original(*args, **kwargs),
     )
@@ -267,9 +267,9 @@ def test_an_older_varlen_attn_without_scale_is_called_without_it():
     def older(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
         return query
 
-    kernel, takes_scale = modeling_encoderstack.inspect_varlen_attn(older)
+    kernel, takes_scale = execution_encoderstack.inspect_varlen_attn(older)
     assert kernel is older and not takes_scale
-    assert modeling_encoderstack.inspect_varlen_attn(torch.nn.attention.varlen.varlen_attn)[1]
+    assert execution_encoderstack.inspect_varlen_attn(torch.nn.attention.varlen.varlen_attn)[1]
 
 
 # torch's real varlen_attn, on CPU: kernels for its two ops that check the CUDA flash kernel's argument contract
@@ -334,16 +334,16 @@ def varlen_on_cpu(monkeypatch):
     """torch's varlen_attn runs here as on an sm90 device: its ops get the CPU kernels above."""
     torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", varlen_forward_kernel)
     torch.library.register_kernel("torch_attn::_varlen_attn_backward", "cpu", varlen_backward_kernel)
-    monkeypatch.setattr(modeling_encoderstack, "cuda_capability", lambda device: (9, 0))
-    monkeypatch.setattr(modeling_encoderstack, "GPU_PACKING_MIN_TOKENS", 0)  # the tests' batches are tiny
-    real_varlen_attn = modeling_encoderstack.varlen_attn
+    monkeypatch.setattr(execution_encoderstack, "cuda_capability", lambda device: (9, 0))
+    monkeypatch.setattr(execution_encoderstack, "GPU_PACKING_MIN_TOKENS", 0)  # the tests' batches are tiny
+    real_varlen_attn = execution_encoderstack.varlen_attn
 
     def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs):
         # the op's schema turns a 0-d tensor into an int (a device sync each layer): the documented type is int
         assert type(max_q) is int and type(max_k) is int, "varlen_attn takes Python-int max lengths"
         return real_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs)
 
-    monkeypatch.setattr(modeling_encoderstack, "varlen_attn", varlen_attn)
+    monkeypatch.setattr(execution_encoderstack, "varlen_attn", varlen_attn)
     KERNEL_CALLS.clear()
     return KERNEL_CALLS
 
@@ -435,8 +435,8 @@ def flash_on_cpu(monkeypatch):
     library = torch.library.Library("aten", "IMPL")
     library.impl("_flash_attention_forward", flash_forward_kernel, "CPU")
     library.impl("_flash_attention_backward", flash_backward_kernel, "CPU")
-    monkeypatch.setattr(modeling_encoderstack, "cuda_capability", lambda device: (9, 0))
-    monkeypatch.setattr(modeling_encoderstack, "GPU_PACKING_MIN_TOKENS", 0)  # the tests' batches are tiny
+    monkeypatch.setattr(execution_encoderstack, "cuda_capability", lambda device: (9, 0))
+    monkeypatch.setattr(execution_encoderstack, "GPU_PACKING_MIN_TOKENS", 0)  # the tests' batches are tiny
     FLASH_CALLS.clear()
     yield FLASH_CALLS
     library._destroy()
@@ -467,7 +467,7 @@ def test_the_flash_function_drops_inside_the_kernel_and_each_backward_replays_it
     calls = []
     for _ in range(2):  # two layers: two masks, each backward must get its own
         q, k, v = (torch.randn(1, 2, 13, 8, generator=generator).bfloat16().requires_grad_() for _ in range(3))
-        out, _ = modeling_encoderstack.flash_attention(module, q, k, v, None, scaling=0.3, dropout=0.25, **kwargs)
+        out, _ = execution_encoderstack.flash_attention(module, q, k, v, None, scaling=0.3, dropout=0.25, **kwargs)
         assert out.shape == (1, 13, 2, 8)  # transformers' (batch, tokens, heads, dim)
         calls.append((q, k, v, out))
     grads = [torch.randn(1, 13, 2, 8, generator=generator).bfloat16() for _ in calls]
@@ -506,7 +506,7 @@ def test_attention_dropout_runs_one_flash_call_per_layer_forward_and_backward_wi
 def test_without_varlen_attn_the_flash_kernel_gives_the_padded_batchs_loss_and_gradients(
     route, flash_on_cpu, monkeypatch
 ):
-    monkeypatch.setattr(modeling_encoderstack, "varlen_attn", None)
+    monkeypatch.setattr(execution_encoderstack, "varlen_attn", None)
     model = build(encoderstack.EncoderStackForMaskedLM, position_embedding_type="rope").train()
     seqs = sequences()
     inputs = padded(seqs) if route == "padded" else flattened(seqs)

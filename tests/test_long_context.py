@@ -10,7 +10,7 @@ import transformers
 from test_family_workflows import SENTENCES, wordpiece
 
 import encoderstack
-from encoderstack import modeling_encoderstack
+from encoderstack import execution_encoderstack
 from encoderstack.cli import main
 
 LONG = 8192
@@ -37,14 +37,14 @@ def modernbert(tmp_path_factory):
 def sliding_rows(monkeypatch):
     """The lengths of the rows the sliding layers attend over, recorded by the registered banded attention."""
     seen = []
-    banded = modeling_encoderstack.ALL_ATTENTION_FUNCTIONS[modeling_encoderstack.BANDED_ATTENTION]
+    banded = execution_encoderstack.ALL_ATTENTION_FUNCTIONS[execution_encoderstack.BANDED_ATTENTION]
 
     def recording(module, query, *args, **kwargs):
         seen.append(query.shape[2])
         return banded(module, query, *args, **kwargs)
 
-    mapping = modeling_encoderstack.ALL_ATTENTION_FUNCTIONS._global_mapping
-    monkeypatch.setitem(mapping, modeling_encoderstack.BANDED_ATTENTION, recording)
+    mapping = execution_encoderstack.ALL_ATTENTION_FUNCTIONS._global_mapping
+    monkeypatch.setitem(mapping, execution_encoderstack.BANDED_ATTENTION, recording)
     return seen
 
 

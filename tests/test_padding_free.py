@@ -7,7 +7,7 @@ import torch
 from conftest import HEADS, REPRESENTATIVE_PLACEMENTS, batch, build, first_output, head_inputs, head_labels, real
 
 import encoderstack
-from encoderstack import EncoderStackConfig, EncoderStackModel, modeling_encoderstack
+from encoderstack import EncoderStackConfig, EncoderStackModel, execution_encoderstack
 
 TOKEN_LEVEL = (
     encoderstack.EncoderStackForMaskedLM,
@@ -28,12 +28,12 @@ def packings(monkeypatch):
     """Every PackedSequences built during the test (the model finds the class by its module-level name)."""
     built = []
 
-    class CountingPacking(modeling_encoderstack.PackedSequences):
+    class CountingPacking(execution_encoderstack.PackedSequences):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    monkeypatch.setattr(modeling_encoderstack, "PackedSequences", CountingPacking)
+    monkeypatch.setattr(execution_encoderstack, "PackedSequences", CountingPacking)
     return built
 
 

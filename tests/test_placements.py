@@ -2,13 +2,23 @@
 with plain tensor math, never by calling the model's wiring."""
 
 import math
+from typing import get_args
 
+import matplotlib.colors
 import pytest
 import torch
 from conftest import PLACEMENTS, batch, build, real, tiny_config
 
 from encoderstack import EncoderStackForMaskedLM, EncoderStackModel
-from encoderstack.configuration_encoderstack import PLACEMENT_EQUATIONS
+from encoderstack.configuration_encoderstack import (
+    HEAD_LAYOUTS,
+    HEADS,
+    PLACEMENT_EQUATIONS,
+    PLACEMENT_REGISTRY,
+    EncoderStackConfig,
+)
+from encoderstack.diagnostics.plots import COLORS
+from encoderstack.hub_card import PLACEMENT_TAGS, build_card
 from encoderstack.modeling_encoderstack import PLACEMENTS as POLICY
 from encoderstack.modeling_encoderstack import DynamicErf, DynamicTanh
 
@@ -305,6 +315,54 @@ def test_resi_dual_feeds_the_normalized_stream_to_the_next_sublayer():
 def test_the_policy_table_has_one_row_for_every_placement_the_config_accepts_and_nothing_else():
     assert tuple(POLICY) == PLACEMENTS
     assert tuple(PLACEMENT_EQUATIONS) == PLACEMENTS
+
+
+def test_the_config_choices_the_card_the_tags_and_the_plots_all_follow_the_one_registry(tmp_path):
+    names = tuple(PLACEMENT_REGISTRY)
+    assert get_args(EncoderStackConfig.__annotations__["norm_placement"]) == PLACEMENTS == names
+    assert get_args(EncoderStackConfig.__annotations__["head_layout"]) == HEAD_LAYOUTS == tuple(HEADS)
+    assert {name: entry.row for name, entry in PLACEMENT_REGISTRY.items()} == POLICY
+    assert {name: entry.equation for name, entry in PLACEMENT_REGISTRY.items()} == PLACEMENT_EQUATIONS
+    assert {name: entry.tag for name, entry in PLACEMENT_REGISTRY.items()} == PLACEMENT_TAGS
+    assert {name: entry.colour for name, entry in PLACEMENT_REGISTRY.items()} == COLORS
+    assert all(matplotlib.colors.is_color_like(colour) for colour in COLORS.values())
+    assert len(set(COLORS.values())) == len(COLORS), "two placements drawn in one colour"
+    for name, entry in PLACEMENT_REGISTRY.items():
+        build(EncoderStackModel, num_hidden_layers=1, norm_placement=name).save_pretrained(tmp_path / name)
+        card = build_card(tmp_path / name)
+        assert card.data.tags == ["encoderstack", entry.tag]
+        assert f"| norm placement | `{name}`: {entry.equation} |" in card.text.splitlines()
+
+
+def test_preparing_for_training_profiles_admin_and_leaves_every_other_placement_as_built():
+    inputs = batch()
+    for placement in PLACEMENTS:
+        model = build(EncoderStackForMaskedLM, norm_placement=placement)
+        before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        model.prepare_for_training(**inputs)
+        changed = [name for name, tensor in model.state_dict().items() if not torch.equal(tensor, before[name])]
+        if placement == "admin":
+            profiled = build(EncoderStackForMaskedLM, norm_placement="admin")
+            profiled.load_state_dict(before)
+            profiled.profile_admin(**inputs)
+            assert changed and all(name.endswith("omega") for name in changed)
+            for name in changed:
+                assert torch.equal(model.state_dict()[name], profiled.state_dict()[name]), name
+        else:
+            assert changed == [], placement
+
+
+def test_the_init_and_the_profiling_follow_the_layers_as_built_not_the_config_read_again():
+    torch.manual_seed(0)
+    config = build(EncoderStackModel, norm_placement="deepnorm", num_hidden_layers=8, hidden_size=128).config
+    model = EncoderStackModel(config)
+    model.config.norm_placement = "post"
+    value = model.layers[3].attention.value
+    model._init_weights(value)
+    assert value.weight.std().item() == pytest.approx(config.initializer_range * 64**-0.25, rel=0.05)
+    admin = build(EncoderStackModel, norm_placement="admin")
+    admin.config.norm_placement = "post"
+    assert len(admin.profile_admin(**batch())) == 2 * admin.config.num_hidden_layers
 
 
 def test_only_deepnorm_and_deepscale_scale_the_residual_and_the_init_and_only_resi_dual_keeps_a_second_stream():

@@ -83,6 +83,7 @@ def test_a_converted_checkpoint_is_published_in_one_commit_with_everything_it_ne
         "config.json",
         "model.safetensors",
         "configuration_encoderstack.py",
+        "execution_encoderstack.py",
         "modeling_encoderstack.py",
         "tokenizer.json",
         "tokenizer_config.json",

@@ -86,7 +86,9 @@ def test_masked_lm_decoder_is_tied_to_the_word_embeddings(tmp_path):
 
 def test_a_saved_checkpoint_carries_the_code_files_and_an_auto_map_for_every_auto_class(tmp_path):
     build(encoderstack.EncoderStackForTokenClassification).save_pretrained(tmp_path)
-    assert {"configuration_encoderstack.py", "modeling_encoderstack.py"} <= set(os.listdir(tmp_path))
+    assert {"configuration_encoderstack.py", "execution_encoderstack.py", "modeling_encoderstack.py"} <= set(
+        os.listdir(tmp_path)
+    )
     assert json.loads((tmp_path / "config.json").read_text())["auto_map"] == AUTO_MAP
 
 

@@ -35,7 +35,7 @@ def register() -> None:
     - `from_pretrained` of every EncoderStack class also converts BERT checkpoints on the fly (`load_converted`);
     - `push_to_hub` checks what it sends and writes the EncoderStack model card (`push_model`).
 
-    The two model files travel with every checkpoint for `trust_remote_code=True`; there these hooks are None and the
+    The three code files travel with every checkpoint for `trust_remote_code=True`; there these hooks are None and the
     classes load EncoderStack checkpoints and push the way transformers does.
     """
     transformers.AutoConfig.register(EncoderStackConfig.model_type, EncoderStackConfig, exist_ok=True)

@@ -10,8 +10,8 @@ import torch
 from . import modeling_encoderstack
 from .configuration_encoderstack import EncoderStackConfig
 
-# `trust_remote_code=True` loads the model from these two, so they travel with every checkpoint.
-CODE_FILES = ("configuration_encoderstack.py", "modeling_encoderstack.py")
+# `trust_remote_code=True` loads the model from these three, so they travel with every checkpoint.
+CODE_FILES = ("configuration_encoderstack.py", "execution_encoderstack.py", "modeling_encoderstack.py")
 # A folder has a tokenizer when it holds one of these (tokenizer_config.json and the others only accompany them).
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "sentencepiece.bpe.model")
 

@@ -5,46 +5,204 @@ that `trust_remote_code=True` works on machines without the package.
 """
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
-NormPlacement = Literal[
-    "post",
-    "pre",
-    "sandwich",
-    "deepnorm",
-    "resi_dual",
-    "peri",
-    "mix",
-    "lns",
-    "hybrid",
-    "hybrid_star",
-    "admin",
-    "deepscale",
-    "pre_skip_first",
-]
-NORM_PLACEMENTS = get_args(NormPlacement)
-# One line each, for the model card (the README gives the equations in full).
-PLACEMENT_EQUATIONS = {
-    "post": "`h = LN(h + Drop(F(h)))`, as BERT",
-    "pre": "`h = h + Drop(F(LN(h)))`, then a final `LN`",
-    "sandwich": "`h = h + Drop(LN_out(F(LN_in(h))))`, then a final `LN`",
-    "deepnorm": "`h = LN(α·h + Drop(F(h)))` with `α = (2N)^(1/4)`",
-    "resi_dual": "`f = Drop(F(a)); a = LN(a + f); d = d + f`, output `a + LN_final(d)`",
-    "peri": "`h = h + Drop(LN_out(F(LN_in(h))))`, then a final `LN` (the same block as `sandwich`)",
-    "mix": "`post` in layers `l ≤ ⌊mix_ln_ratio·N⌋`, `pre` after, then a final `LN`",
-    "lns": "`h = h + Drop(F(LN(h) / √l))`, `l` the 1-based layer, then a final `LN`",
-    "hybrid": "`h = h + Drop(Attn(LN_q(q), LN_k(k), LN_v(v)))`, then `h = LN(h)`, `h = h + Drop(FFN(h))`; final `LN`",
-    "hybrid_star": "`hybrid`, with layer 1 `pre` (and its QKV norms); then a final `LN`",
-    "admin": "`h = LN(ω ⊙ h + Drop(F(h)))`, `ω` set by `profile_admin` on a batch",
-    "deepscale": "`h = λ·h + β·Drop(F(LN(h)))`, `β² = 1/N`, `λ² = 1 − β²`, then a final `LN`",
-    "pre_skip_first": "`pre`, except that layer 1's attention reads `h` itself (the embedding norm serves)",
+
+def unscaled(count: int) -> float:
+    return 1.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One normalization placement's row, the whole of its math: the norms around each sublayer F, the scales on its
+    shortcut, branch and input as functions of the depth N (or of the 1-based layer l), the init, ResiDual's second
+    stream, and, for placements whose sublayers differ, the row each sublayer follows. The README gives the
+    equations."""
+
+    norm_in: bool = False  # F(LN(h))
+    norm_branch: bool = False  # LN(F(.)) before the residual add
+    norm_out: bool = False  # LN(h + F(.))
+    final_norm: bool = False  # one more norm after the last layer
+    dual_stream: bool = False  # ResiDual: also accumulate the un-normalized sum of every F
+    qkv_norm: bool = False  # HybridNorm: attention normalizes each head's query, key and value
+    # Admin: a learnable per-feature shortcut scale, h -> LN(omega * h + F(h)), which a profiling pass on a batch sets
+    # before training (`prepare_for_training`, `profile_admin`)
+    omega: bool = False
+    alpha: Callable[[int], float] = unscaled  # h -> LN(alpha(N) h + F(.)); DeepScaleLM's lambda
+    branch_scale: Callable[[int], float] = unscaled  # h -> h + beta(N) F(.), DeepScaleLM's beta
+    input_scale: Callable[[int], float] = unscaled  # F(scale(l) LN(h)), l the 1-based layer: LayerNorm Scaling
+    init_gain: Callable[[int], float] = unscaled  # on the init std of every branch projection (value, output, FFN)
+    fan_in_init: bool = False  # every projection of a layer starts from normal(0, 1/fan_in): DeepScaleLM
+    # (config, 0-based layer index, "attention" or "mlp") -> the row that sublayer follows; None: this row
+    per_sublayer: Callable[["EncoderStackConfig", int, str], "Placement"] | None = None
+
+    def at(self, config: "EncoderStackConfig", layer_idx: int, sublayer: str) -> "Placement":
+        return self if self.per_sublayer is None else self.per_sublayer(config, layer_idx, sublayer)
+
+    def init_std(self, config: "EncoderStackConfig", fan_in: int, branch: bool) -> float | None:
+        """The init std of a projection in a sublayer that follows this row; None: BERT's `initializer_range`."""
+        if self.fan_in_init:
+            return fan_in**-0.5
+        gain = self.init_gain(config.num_hidden_layers)
+        return config.initializer_range * gain if branch and gain != 1.0 else None
+
+
+def mix_ln(config: "EncoderStackConfig", layer_idx: int, sublayer: str) -> Placement:
+    """Mix-LN: post-LN in the first floor(mix_ln_ratio * N) layers, pre-LN after."""
+    post_layers = math.floor(config.mix_ln_ratio * config.num_hidden_layers)
+    return PLACEMENTS["post"] if layer_idx < post_layers else PLACEMENTS["pre"]
+
+
+def hybrid_norm(config: "EncoderStackConfig", layer_idx: int, sublayer: str) -> Placement:
+    """HybridNorm, x' = x + Attn(QKV-norm); x = LN(x') + FFN(LN(x')): written per sublayer, the norm after the
+    attention's add, and a plain residual around the feed-forward network (its input and shortcut are that norm)."""
+    return Placement(norm_out=True, qkv_norm=True) if sublayer == "attention" else Placement()
+
+
+def hybrid_norm_star(config: "EncoderStackConfig", layer_idx: int, sublayer: str) -> Placement:
+    """HybridNorm*: the first layer pre-LN around both sublayers (its attention keeps the QKV-norm)."""
+    if layer_idx == 0:
+        return Placement(norm_in=True, qkv_norm=sublayer == "attention")
+    return hybrid_norm(config, layer_idx, sublayer)
+
+
+def pre_skip_first(config: "EncoderStackConfig", layer_idx: int, sublayer: str) -> Placement:
+    """ModernBERT's pre-LN: the first attention reads the normalized embeddings without a norm of its own."""
+    return Placement() if (layer_idx, sublayer) == (0, "attention") else PLACEMENTS["pre"]
+
+
+@dataclass(frozen=True)
+class PlacementEntry:
+    """A placement as the package knows it: its row, its one-line equation (the model card; the README gives it in
+    full), its Hub tag and its colour in the diagnostics plots (a matplotlib colour name)."""
+
+    row: Placement
+    equation: str
+    tag: str
+    colour: str
+
+
+SANDWICH = Placement(norm_in=True, norm_branch=True, final_norm=True)
+# The one registry of placements: `norm_placement` accepts its names, in this order.
+PLACEMENT_REGISTRY = {
+    "post": PlacementEntry(Placement(norm_out=True), "`h = LN(h + Drop(F(h)))`, as BERT", "post-ln", "tab:red"),
+    "pre": PlacementEntry(
+        Placement(norm_in=True, final_norm=True), "`h = h + Drop(F(LN(h)))`, then a final `LN`", "pre-ln", "tab:blue"
+    ),
+    "sandwich": PlacementEntry(
+        SANDWICH, "`h = h + Drop(LN_out(F(LN_in(h))))`, then a final `LN`", "sandwich-ln", "tab:green"
+    ),
+    "deepnorm": PlacementEntry(
+        Placement(norm_out=True, alpha=lambda n: (2 * n) ** 0.25, init_gain=lambda n: (8 * n) ** -0.25),
+        "`h = LN(α·h + Drop(F(h)))` with `α = (2N)^(1/4)`",
+        "deepnorm",
+        "tab:purple",
+    ),
+    "resi_dual": PlacementEntry(
+        Placement(norm_out=True, final_norm=True, dual_stream=True),
+        "`f = Drop(F(a)); a = LN(a + f); d = d + f`, output `a + LN_final(d)`",
+        "resi-dual",
+        "tab:orange",
+    ),
+    "peri": PlacementEntry(  # Peri-LN is the literature's name for the sandwich block
+        SANDWICH,
+        "`h = h + Drop(LN_out(F(LN_in(h))))`, then a final `LN` (the same block as `sandwich`)",
+        "peri-ln",
+        "tab:brown",
+    ),
+    "mix": PlacementEntry(
+        Placement(final_norm=True, per_sublayer=mix_ln),
+        "`post` in layers `l ≤ ⌊mix_ln_ratio·N⌋`, `pre` after, then a final `LN`",
+        "mix-ln",
+        "tab:pink",
+    ),
+    "lns": PlacementEntry(
+        Placement(norm_in=True, final_norm=True, input_scale=lambda layer: layer**-0.5),
+        "`h = h + Drop(F(LN(h) / √l))`, `l` the 1-based layer, then a final `LN`",
+        "layernorm-scaling",
+        "tab:gray",
+    ),
+    "hybrid": PlacementEntry(
+        Placement(final_norm=True, per_sublayer=hybrid_norm),
+        "`h = h + Drop(Attn(LN_q(q), LN_k(k), LN_v(v)))`, then `h = LN(h)`, `h = h + Drop(FFN(h))`; final `LN`",
+        "hybridnorm",
+        "tab:olive",
+    ),
+    "hybrid_star": PlacementEntry(
+        Placement(final_norm=True, per_sublayer=hybrid_norm_star),
+        "`hybrid`, with layer 1 `pre` (and its QKV norms); then a final `LN`",
+        "hybridnorm-star",
+        "tab:cyan",
+    ),
+    "admin": PlacementEntry(
+        Placement(norm_out=True, omega=True),
+        "`h = LN(ω ⊙ h + Drop(F(h)))`, `ω` set by `profile_admin` on a batch",
+        "admin",
+        "black",
+    ),
+    "deepscale": PlacementEntry(
+        Placement(
+            norm_in=True,
+            final_norm=True,
+            alpha=lambda n: (1 - 1 / n) ** 0.5,
+            branch_scale=lambda n: (1 / n) ** 0.5,
+            fan_in_init=True,
+        ),
+        "`h = λ·h + β·Drop(F(LN(h)))`, `β² = 1/N`, `λ² = 1 − β²`, then a final `LN`",
+        "deepscalelm",
+        "gold",
+    ),
+    "pre_skip_first": PlacementEntry(
+        Placement(final_norm=True, per_sublayer=pre_skip_first),
+        "`pre`, except that layer 1's attention reads `h` itself (the embedding norm serves)",
+        "pre-ln",
+        "teal",
+    ),
 }
+PLACEMENTS = {name: entry.row for name, entry in PLACEMENT_REGISTRY.items()}
+PLACEMENT_EQUATIONS = {name: entry.equation for name, entry in PLACEMENT_REGISTRY.items()}
+NormPlacement = Literal[tuple(PLACEMENT_REGISTRY)]
+NORM_PLACEMENTS = get_args(NormPlacement)
 GATED_ACTIVATIONS = {"geglu": "gelu", "swiglu": "silu"}
-HeadLayout = Literal["bert", "roberta", "electra", "distilbert", "modernbert", "eurobert", "ultrabert", "neobert"]
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The parts of the task heads that differ between the BERT-family layouts (`config.head_layout`), the way
+    `Placement` holds a placement: what feeds the sequence-level classifiers (None: BERT's pooler in the encoder; an
+    activation: the head's own dense layer and that activation on the first token, without a pooler) and the
+    masked-LM head's activation (None: `hidden_act`); whether the bare encoder has BERT's pooler at all; whether the
+    per-token classifiers also get the dense layer and activation first, and whether a norm follows them (ModernBERT's
+    prediction head); and what the masked-LM head is: `"transform"` (dense, activation, norm, decoder: BERT's),
+    `"decoder"` (the decoder alone) or `"two_layer"` (dense, activation, dense back, activation, decoder)."""
+
+    sequence: str | None = None  # sequence classification
+    choice: str | None = None  # multiple choice
+    token: str | None = None  # token classification and question answering
+    lm_act: str | None = None
+    pooler: bool = True
+    transform_norm: bool = False
+    lm: str = "transform"
+
+
+# The one registry of head layouts: `head_layout` accepts its names, in this order.
+HEADS = {
+    "bert": Heads(),
+    "roberta": Heads(sequence="tanh", lm_act="gelu"),  # multiple choice keeps the pooler, as RoBERTa's does
+    "electra": Heads(sequence="gelu", choice="gelu", lm_act="gelu", pooler=False),
+    "distilbert": Heads(sequence="relu", choice="relu", pooler=False),
+    "modernbert": Heads(sequence="gelu", choice="gelu", token="gelu", lm_act="gelu", pooler=False, transform_norm=True),
+    "eurobert": Heads(sequence="gelu", pooler=False, lm="decoder"),
+    "ultrabert": Heads(lm_act="gelu_pytorch_tanh", pooler=False, lm="two_layer"),
+    "neobert": Heads(sequence="tanh", pooler=False, lm="decoder"),
+}
+HeadLayout = Literal[tuple(HEADS)]
 HEAD_LAYOUTS = get_args(HeadLayout)
 LayerType = Literal["full_attention", "sliding_attention"]  # transformers' names
 LAYER_TYPES = get_args(LayerType)

@@ -1,31 +1,24 @@
 """EncoderStack: BERT's bidirectional encoder stack with the normalization placement as a config choice.
 
-Read top to bottom: embeddings, attention (with `PackedSequences`, the one description of packed tokens, and
-`ExecutionPlan`, the one decision of how a forward runs), feed-forward, the residual/normalization policy (the one
-place that knows the placements), the layer, the stack, the pre-trained base with its initialization, then the task
-heads.
+Read top to bottom: embeddings, attention, feed-forward, the residual/normalization policy (the one place that knows
+the placements), the layer, the stack, the pre-trained base with its initialization, then the task heads. How a forward
+runs (`PackedSequences`, the input checks, `ExecutionPlan` with its masks, and the attention functions the plan names)
+lives in `execution_encoderstack.py`.
 
-Self-contained on purpose (imports torch, transformers and `.configuration_encoderstack` only): `save_pretrained`
-copies this file next to the weights so that `trust_remote_code=True` works without the package.
+Self-contained on purpose (imports torch, transformers, `.configuration_encoderstack` and `.execution_encoderstack`
+only): `save_pretrained` copies this file and the two it imports next to the weights, so that
+`trust_remote_code=True` works without the package.
 """
 
 import copy
-import dataclasses
-import inspect
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.masking_utils import (
-    create_bidirectional_mask,
-    create_bidirectional_sliding_window_mask,
-    packed_sequence_mask_function,
-)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPooling,
@@ -39,10 +32,25 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_u
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, logging
-from transformers.utils.generic import can_return_tuple, is_flash_attention_requested
+from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_encoderstack import GATED_ACTIVATIONS, EncoderStackConfig
+from .configuration_encoderstack import (  # noqa: F401 (Placement, PLACEMENTS, Heads: their old home, kept)
+    GATED_ACTIVATIONS,
+    HEADS,
+    PLACEMENTS,
+    EncoderStackConfig,
+    Heads,
+    Placement,
+)
+from .execution_encoderstack import (
+    VARLEN_KWARGS,
+    ExecutionPlan,
+    PackedSequences,
+    attention_masks,
+    eager_attention_forward,
+    execution_plan,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -195,126 +203,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-second, first), dim=-1) * sin
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        scores = scores + attention_mask
-    weights = nn.functional.softmax(scores, dim=-1)
-    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-
-VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # transformers' names
-
-
-class PackedSequences:
-    """Sequences laid end to end in one row of real tokens, described the way transformers' flash-attention path
-    describes them: cumulative lengths `cu_seq_lens` (0, l1, l1 + l2, ...) and the longest length.
-
-    Built once per forward from whichever the caller gives: an attention mask with padding (each row's real tokens are
-    one sequence, and `index` gathers them), `position_ids` that restart inside a row (`DataCollatorWithFlattening`),
-    or explicit `cu_seq_lens_q/k`. Everything position-wise then runs on the packed row, and attention on each
-    sequence alone, through the kwargs `cu_seq_lens_q/k` and `max_length_q/k` (see `ExecutionPlan`).
-    """
-
-    def __init__(self, lengths: list[int], shape: tuple[int, int], device, index=None):
-        self.lengths = [length for length in lengths if length]  # a row of only padding holds no sequence
-        self.shape = shape  # the input's (batch, seq)
-        self.index = index  # the real tokens' flat positions in a padded input; None when the rows are the tokens
-        self.lengths_tensor = torch.tensor(self.lengths, dtype=torch.long, device=device)
-        self.cu_seq_lens = nn.functional.pad(self.lengths_tensor.cumsum(0), (1, 0)).int()
-        self.max_length = max(self.lengths, default=0)
-
-    @classmethod
-    def from_attention_mask(cls, real: torch.Tensor, lengths: list[int]) -> "PackedSequences":
-        """`real`: the boolean (batch, seq) mask of real tokens; `lengths`: its row sums."""
-        index = real.flatten().nonzero_static(size=sum(lengths)).squeeze(-1)  # sized by `lengths`: no host sync
-        return cls(lengths, tuple(real.shape), real.device, index)
-
-    @classmethod
-    def from_starts(cls, starts: torch.Tensor) -> "PackedSequences":
-        """Flattened rows: `starts` marks the first token of every sequence (the first of each row among them)."""
-        bounds = [*starts.flatten().nonzero().squeeze(-1).tolist(), starts.numel()]
-        lengths = [end - start for start, end in zip(bounds, bounds[1:])]
-        return cls(lengths, tuple(starts.shape), starts.device)
-
-    @property
-    def flattened(self) -> bool:
-        """Whether rows hold several sequences (the input is already packed), rather than padding around one."""
-        return self.index is None
-
-    def pack(self, padded: torch.Tensor) -> torch.Tensor:
-        """(batch, seq, ...) -> (1, tokens, ...)"""
-        flat = padded.flatten(0, 1)
-        return (flat if self.index is None else flat.index_select(0, self.index)).unsqueeze(0)
-
-    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """(1, tokens, ...) -> (batch, seq, ...), with zeros at the padding"""
-        flat = packed.squeeze(0)
-        if self.index is not None:
-            flat = flat.new_zeros(self.shape[0] * self.shape[1], *flat.shape[1:]).index_copy_(0, self.index, flat)
-        return flat.unflatten(0, self.shape)
-
-    def attention_kwargs(self) -> dict:
-        """transformers' varlen kwargs, and the lengths as Python ints (so that no layer syncs to read them)."""
-        lengths = (self.cu_seq_lens, self.cu_seq_lens, self.max_length, self.max_length)
-        return {**dict(zip(VARLEN_KWARGS, lengths)), "sequence_lengths": self.lengths}
-
-    def sequence_ids(self) -> torch.Tensor:
-        """(batch, seq): which sequence each token of flattened rows belongs to (for a block-diagonal mask)."""
-        return self.packed_sequence_ids().view(self.shape)
-
-    def packed_sequence_ids(self) -> torch.Tensor:
-        """(1, tokens): which sequence each token of the packed row belongs to (sized by `lengths`: no host sync)."""
-        sequences = torch.arange(len(self.lengths), device=self.lengths_tensor.device)
-        return sequences.repeat_interleave(self.lengths_tensor, output_size=sum(self.lengths))[None]
-
-    def position_ids(self) -> torch.Tensor:
-        """(batch, seq) of flattened rows: each token's position within its own sequence."""
-        starts = self.cu_seq_lens[:-1].long().repeat_interleave(self.lengths_tensor)
-        return (torch.arange(starts.numel(), device=starts.device) - starts).view(self.shape)
-
-    def first_tokens(self, packed: torch.Tensor) -> torch.Tensor:
-        """(1, tokens, ...) -> (sequences, ...): the first token of every sequence."""
-        return packed[0, self.cu_seq_lens[:-1].long()]
-
-    def by_sequence(self, packed: torch.Tensor, fill=0.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(1, tokens, ...) -> (sequences, max_length, ...) with `fill` past each end, and where the tokens are."""
-        rows = nn.utils.rnn.pad_sequence(packed[0].split(self.lengths), batch_first=True, padding_value=fill)
-        return rows, torch.arange(rows.shape[1], device=rows.device) < self.lengths_tensor[:, None]
-
-
-def first_real_tokens(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """(batch, seq, ...) -> (batch, ...): each row's first real token, what a first-token head pools. That is position
-    0 under right padding, as in BERT; under left padding BERT would pool a padding token (and padding-free, which
-    leaves zeros there, a constant), so the first token the mask marks real is taken on every path."""
-    if attention_mask is None or attention_mask.dim() != 2:
-        return hidden_states[:, 0]
-    first = attention_mask.to(device=hidden_states.device, dtype=torch.int).argmax(-1)  # the first 1 of each row
-    return hidden_states[torch.arange(first.numel(), device=first.device), first]
-
-
-def first_tokens(hidden_states: torch.Tensor, attention_mask, packing: "PackedSequences | None") -> torch.Tensor:
-    """(batch, seq, ...) -> (sequences, ...): the first real token of every sequence, rows or flattened."""
-    if packing is not None and packing.flattened:
-        return packing.first_tokens(packing.pack(hidden_states))
-    return first_real_tokens(hidden_states, attention_mask)
-
-
-def pool_tokens(encoded: "Encoded", tokens: torch.Tensor, pooling: str) -> torch.Tensor:
-    """(batch, seq, ...) -> (sequences, ...): each sequence's first real token (`"first"`) or the mean of its real
-    tokens (`"mean"`), in rows or flattened sequences."""
-    packing = encoded.packing
-    if pooling == "first":
-        return first_tokens(tokens, encoded.real, packing)
-    if packing is not None and packing.flattened:
-        tokens, real = packing.by_sequence(packing.pack(tokens))
-    else:
-        real = encoded.real if encoded.real is not None else tokens.new_ones(tokens.shape[:2], dtype=torch.bool)
-    real = real.to(device=tokens.device, dtype=tokens.dtype).unsqueeze(-1)
-    return (tokens * real).sum(1) / real.sum(1)
-
-
 class EncoderStackKwargs(TransformersKwargs, total=False):
     """transformers' forward kwargs, and ours: `padding_free` overrides `config.padding_free` for one call; `plan` is
     how a task head hands the encoder the `ExecutionPlan` it made (see `EncoderStackModel.execution_plan`)."""
@@ -323,390 +211,10 @@ class EncoderStackKwargs(TransformersKwargs, total=False):
     plan: "ExecutionPlan | None"
 
 
-def inspect_varlen_attn(kernel) -> tuple[Callable | None, bool]:
-    """torch's `varlen_attn` and whether it takes `scale` (older releases do not; their fixed scale, head_dim^-0.5, is
-    the one this model uses), checked once; (None, False) where its signature cannot be read."""
-    try:
-        return kernel, "scale" in inspect.signature(kernel).parameters
-    except (TypeError, ValueError):
-        return None, False
-
-
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except Exception:  # absent before torch 2.10; a build whose kernels fail to load raises other errors too
-    varlen_attn = None
-varlen_attn, VARLEN_TAKES_SCALE = inspect_varlen_attn(varlen_attn) if varlen_attn is not None else (None, False)
-# sliding layers need its `window_size` (flash's inclusive (left, right)); where it has none, they run banded
-VARLEN_TAKES_WINDOW = varlen_attn is not None and "window_size" in inspect.signature(varlen_attn).parameters
-FLASH_TAKES_WINDOW = "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
-
-
-def cuda_capability(device: torch.device) -> tuple[int, int] | None:
-    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-
-
-INPUT_KINDS = ("whole", "padded", "flattened")  # every row one sequence / a padded batch / several sequences a row
-PLAN_KINDS = ("padded", "varlen", "per_sequence", "block_diagonal")
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class PlanFacts:
-    """Everything the execution plan depends on, read once per forward (see `EncoderStackModel.plan_facts`)."""
-
-    inputs: str  # one of INPUT_KINDS
-    backend: str  # config._attn_implementation
-    device_type: str
-    capability: tuple[int, int] | None  # CUDA compute capability; None off CUDA
-    dtype: torch.dtype  # the compute dtype: autocast's where autocast is on, else the weights'
-    head_dim: int
-    attention_dropout: bool  # training with attention dropout > 0
-    padding_free: bool  # asked for (config or argument)
-    recording: bool  # hidden states or attention maps asked for: the hooks record the padded layout
-    compiling: bool  # packed shapes change with every batch (a recompile each): compiled code stays padded
-    varlen_kernel: bool  # torch's varlen_attn imported, with a signature this model can call
-    sliding_window: int | None = None  # the sliding layers' radius; None when no layer slides
-    longest: int = 0  # the longest sequence the layers see (the row's length where the lengths are not read)
-    varlen_window: bool = True  # torch's varlen_attn takes `window_size`
-    flash_window: bool = True  # torch's flash kernel takes `window_size_left/right`
-    padded_tokens: int = 0  # batch x sequence length of the input
-
-
-@dataclass(frozen=True)
-class ExecutionPlan:
-    """How one forward runs, decided once (`decide_plan`) and obeyed by every layer.
-
-    kind: "padded" (the batch as BERT runs it, padding masked), "varlen" (real tokens packed into one row, one varlen
-    kernel call per layer), "per_sequence" (packed, attention one sequence at a time: the CPU path) or
-    "block_diagonal" (flattened rows with one dense mask: only where packing is off). `attention` is the name of the
-    attention function in transformers' `AttentionInterface`; `packing` describes the packed or flattened sequences.
-
-    Flattened rows without a flash kernel run one sequence at a time rather than through flex attention's document
-    mask: on CPU flex has no backward, eager flex materializes every score (45-124x slower than per-sequence), and
-    compiled flex was 4.5x slower where inductor could build it at all (docs/benchmarks/flex-document-mask-1thread.txt).
-    On CUDA that comparison has not been measured (benchmarks/gpu_check.py runs it).
-
-    Sliding layers are one more fact of the same plan: `sliding` names the attention function they run (None: they
-    run as full layers, because no layer slides or the window covers every sequence), with the window as
-    transformers' `sliding_window` kwarg (see `sliding_attention`).
-    """
-
-    kind: str
-    attention: str
-    reason: str
-    facts: PlanFacts
-    packing: "PackedSequences | None" = None
-    sliding: str | None = None
-
-    @property
-    def packed(self) -> bool:
-        """Whether the layers run on the packed row of real tokens (and attention reads `cu_seq_lens`)."""
-        return self.kind in ("varlen", "per_sequence")
-
-    def runs_as(self, layer_type: str) -> str:
-        """The layer type a layer of `layer_type` runs as: a sliding layer whose window covers everything is full."""
-        return "sliding_attention" if layer_type == "sliding_attention" and self.sliding else "full_attention"
-
-    def layer_attention(self, layer_type: str) -> tuple[str, dict]:
-        """The attention function a layer of `layer_type` calls, and what it adds to the call: the radius as
-        transformers' `sliding_window` kwarg, radius + 1 (flash's window is inclusive; ModernBERT passes it so)."""
-        if self.runs_as(layer_type) == "sliding_attention":
-            return self.sliding, {"sliding_window": self.facts.sliding_window + 1}
-        return self.attention, {}
-
-
-def flash_missing(facts: PlanFacts) -> str | None:
-    """Why no flash kernel (torch's `varlen_attn`, or its flash kernel called directly) can run here; None
-    when one can."""
-    checks = (
-        (facts.backend == "sdpa", f"the {facts.backend} backend"),
-        (facts.capability is not None, f"no CUDA device ({facts.device_type})"),
-        (facts.capability is not None and facts.capability >= (8, 0), f"compute capability {facts.capability} < 8.0"),
-        (facts.dtype in FLASH_DTYPES, f"{facts.dtype} (flash needs float16 or bfloat16)"),
-        (
-            facts.head_dim % 8 == 0 and facts.head_dim <= 256,
-            f"head size {facts.head_dim} (flash: multiple of 8, <= 256)",
-        ),
-    )
-    return next((why for holds, why in checks if not holds), None)
-
-
-def decide_plan(facts: PlanFacts) -> ExecutionPlan:
-    """The one decision of how a forward runs: a pure function of `facts`, so that every cell can be tested anywhere.
-    The kind and the full layers' attention first, then how the sliding layers run on that kind."""
-    plan = decide_kind(facts)
-    if facts.sliding_window is None:
-        return plan
-    sliding, why = sliding_attention(facts, plan)
-    return dataclasses.replace(plan, sliding=sliding, reason=f"{plan.reason}; sliding layers: {why}")
-
-
-# Up to this many radii, a dense band mask beats banded attention: at radius 64 the dense mask was 1.19x faster on 512
-# tokens (8 radii) and banded 1.41x faster on 1024 (docs/benchmarks/sliding-window-memory-1thread.txt).
-DENSE_BAND_RADII = 8
-
-
-def sliding_attention(facts: PlanFacts, plan: ExecutionPlan) -> tuple[str | None, str]:
-    """How the sliding layers run on `plan`: a flash kernel's own window where one runs; a dense band mask where the
-    forward is compiled or records attention maps (both run padded, and the maps are tokens x tokens anyway); flex
-    attention's block-sparse band mask on CUDA; everywhere else `banded_attention`, O(tokens x window) (on CPU, flex
-    attention outside torch.compile computes every score)."""
-    radius = facts.sliding_window
-    if not facts.compiling and radius >= facts.longest - 1:  # compiled code must not branch on the length
-        return None, f"the window (radius {radius}) covers every sequence ({facts.longest} tokens): run as full"
-    kernel_window = {VARLEN_ATTENTION: facts.varlen_window, FLASH_ATTENTION: facts.flash_window}
-    if plan.attention in kernel_window:
-        if kernel_window[plan.attention]:
-            return plan.attention, f"the flash kernel's window ({radius}, {radius})"
-        return BANDED_ATTENTION, "this torch's flash kernel takes no window: banded over the packed row"
-    if is_flash_attention_requested(requested_attention_implementation=plan.attention):
-        return plan.attention, f"flash's window ({radius}, {radius})"
-    if facts.compiling or facts.recording:
-        return plan.attention, "a dense (tokens x tokens) band mask"
-    if facts.longest <= DENSE_BAND_RADII * radius and facts.backend != "flex_attention":
-        if plan.attention == PER_SEQUENCE:
-            return PER_SEQUENCE, f"sequences of at most {DENSE_BAND_RADII} radii: one at a time with a band mask"
-        if not plan.packed:
-            return plan.attention, f"rows of at most {DENSE_BAND_RADII} radii: a dense band mask"
-    if facts.backend == "flex_attention" and facts.device_type == "cuda" and not plan.packed:
-        return "flex_attention", "a block-sparse band mask"
-    where = "the packed row" if plan.packed else "the rows"
-    return BANDED_ATTENTION, f"banded over {where}, O(tokens x window)"
-
-
-# Below this many tokens (batch x length) a GPU runs a padded batch at least as fast as its packed tokens: the step is
-# bound by kernel launches, and packing adds some. Measured on an H200, bert-base, bf16, packed / padded
-# (docs/benchmarks/gpu-h200-2026-12-04/): 3.5k tokens (32x108 text) 0.82-0.92 in training and 0.80 in inference, 4k
-# (32x128, 8x512) 0.95-1.03, 14k (128x108 text) 1.45 in inference, 16k (32x512) 0.97-1.03 in training, 32k (64 rows of
-# 64-512, a masked-LM step) 1.5, 64k (128x512) 1.67.
-GPU_PACKING_MIN_TOKENS = 8192
-
-
-def decide_kind(facts: PlanFacts) -> ExecutionPlan:
-    def plan(kind, reason, attention=facts.backend):
-        return ExecutionPlan(kind, attention, reason, facts)
-
-    if facts.inputs == "whole":
-        return plan("padded", "every row is one sequence: nothing to pack")
-    if is_flash_attention_requested(requested_attention_implementation=facts.backend) and (
-        facts.inputs == "flattened" or (facts.padding_free and not facts.recording)
-    ):  # flash has no block-diagonal mask: flattened rows always go through its varlen path
-        return plan("varlen", "transformers' flash path reads cu_seq_lens_q/k")
-    off = [
-        why
-        for on, why in (
-            (not facts.padding_free, "padding_free is off"),
-            (facts.recording, "hidden states or attentions are recorded"),
-            (facts.compiling, "torch.compile is tracing"),
-        )
-        if on
-    ]
-    if off:
-        if facts.inputs == "padded":
-            return plan("padded", f"{off[0]}: the padded batch")
-        mask = "a block-sparse" if facts.backend == "flex_attention" else "a dense (tokens x tokens)"
-        return plan("block_diagonal", f"{off[0]}: flattened rows get {mask} block-diagonal mask")
-    missing = flash_missing(facts)
-    if missing is None and facts.inputs == "padded" and facts.padded_tokens < GPU_PACKING_MIN_TOKENS:
-        return plan("padded", f"{facts.padded_tokens} tokens: too few for packing to pay on a GPU (launch-bound)")
-    if missing is None and facts.varlen_kernel and not facts.attention_dropout:
-        return plan("varlen", "torch's varlen_attn: one call per layer", VARLEN_ATTENTION)
-    if missing is None:  # the same flash kernel, called directly: it takes dropout_p
-        why = "attention dropout in training" if facts.attention_dropout else "this torch has no usable varlen_attn"
-        return plan("varlen", f"{why}: torch's flash kernel, dropout inside it, one call per layer", FLASH_ATTENTION)
-    if facts.device_type == "cpu" or facts.inputs == "flattened":
-        return plan("per_sequence", f"attention one sequence at a time (no varlen kernel: {missing})", PER_SEQUENCE)
-    return plan("padded", f"no varlen kernel ({missing}): the padded batch beats one call per sequence")
-
-
-def flattened_rows(position_ids, real, shape, device, kwargs) -> PackedSequences | None:
-    """The sequences of flattened rows, from `cu_seq_lens_q/k` or from `position_ids` that restart (a new sequence
-    starts wherever a position is not the previous one + 1, as in transformers' masks); None when every row is one
-    sequence. Checks what it reads: a packing that does not fit the batch would silently mix sequences."""
-    cu_seq_lens = kwargs.get("cu_seq_lens_q")
-    if cu_seq_lens is not None:
-        packing = packing_from_cu_seq_lens(cu_seq_lens, kwargs, shape, device)
-    elif position_ids is not None and shape[1] > 1:
-        restarts = position_ids.expand(shape).diff(dim=-1) != 1
-        if real is not None:  # only between two real tokens: positions at padding say nothing
-            restarts &= real[:, 1:] & real[:, :-1]
-        if not restarts.any():
-            return None
-        packing = PackedSequences.from_starts(nn.functional.pad(restarts, (1, 0), value=True))
-    else:
-        return None
-    if real is not None and not real.all():
-        raise ValueError(
-            "Flattened rows (`position_ids` that restart inside a row, or `cu_seq_lens_q`) cannot also "
-            "have padding in `attention_mask`: pass a padded batch or flattened rows, not both."
-        )
-    return packing
-
-
-def packing_from_cu_seq_lens(cu_seq_lens, kwargs, shape, device) -> PackedSequences:
-    cu_seq_lens_k = kwargs.get("cu_seq_lens_k")
-    if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k.to(cu_seq_lens.device), cu_seq_lens):
-        raise ValueError(
-            "`cu_seq_lens_k` must equal `cu_seq_lens_q`: an encoder's queries and keys are the same tokens."
-        )
-    bounds = cu_seq_lens.tolist() if cu_seq_lens.dim() == 1 and not cu_seq_lens.is_floating_point() else None
-    tokens = shape[0] * shape[1]
-    if not bounds or bounds[0] != 0 or bounds[-1] != tokens or any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(
-            f"`cu_seq_lens_q` must be a 1-D integer tensor rising from 0 to the number of tokens "
-            f"({tokens}), got {bounds if bounds else tuple(cu_seq_lens.shape)}."
-        )
-    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-    for name in ("max_length_q", "max_length_k"):
-        given = kwargs.get(name)
-        if given is not None and int(given) < max(lengths):
-            raise ValueError(
-                f"`{name}` is {int(given)}, but `cu_seq_lens_q` holds a sequence of {max(lengths)} tokens."
-            )
-    return PackedSequences(lengths, shape, device)
-
-
-def per_sequence_attention(
-    module, query, key, value, attention_mask, sequence_lengths=None, sliding_window=None, **kwargs
-):
-    """The configured backend run on each packed sequence alone, without a mask: the CPU path, where it measured
-    fastest (1.4-1.7x over one masked call on a re-padded view), and flattened rows where no varlen kernel runs. In a
-    sliding layer `attention_mask` holds one band mask per sequence (`band_masks`, built once per forward; None
-    where the window covers the sequence); a caller from outside this model passes only `sliding_window`."""
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_attention_forward)
-    if sequence_lengths is None:  # called from outside this model: one host sync
-        sequence_lengths = kwargs["cu_seq_lens_q"].diff().tolist()
-    for name in VARLEN_KWARGS:
-        kwargs.pop(name, None)
-    bands = attention_mask
-    if bands is None:
-        radius = None if sliding_window is None else sliding_window - 1  # transformers' kwarg: the radius + 1
-        bands = band_masks(sequence_lengths, radius, query.dtype, query.device)
-    pieces = zip(*(x.split(sequence_lengths, dim=2) for x in (query, key, value)))
-    contexts = [attention(module, q, k, v, band, **kwargs)[0] for (q, k, v), band in zip(pieces, bands) if q.shape[2]]
-    return torch.cat(contexts, dim=1), None
-
-
-def band_masks(lengths: list[int], radius: int | None, dtype, device) -> list[torch.Tensor | None]:
-    """One additive (1, 1, length, length) band mask per sequence, |i - j| <= radius (one tensor per distinct length);
-    None for a sequence the window covers, and for every sequence without a radius."""
-    if radius is None:
-        return [None] * len(lengths)
-    bands = {length: band_mask(length, radius, dtype, device) for length in set(lengths) if length > radius + 1}
-    return [bands.get(length) for length in lengths]
-
-
-def band_mask(length: int, radius: int, dtype, device) -> torch.Tensor:
-    """(1, 1, length, length), additive: 0 where |i - j| <= radius, the dtype's most negative value elsewhere."""
-    positions = torch.arange(length, device=device)
-    outside = (positions[:, None] - positions[None, :]).abs() > radius
-    mask = torch.zeros(length, length, dtype=dtype, device=device).masked_fill(outside, torch.finfo(dtype).min)
-    return mask[None, None]
-
-
-def flash_layout(query, key, value) -> tuple[torch.Tensor, ...]:
-    """(1, heads, tokens, head_dim) -> (tokens, heads, head_dim), the packed layout flash kernels take, in a dtype
-    they take: under autocast a norm inside attention (HybridNorm's QKV norms) leaves float32 where the projections
-    gave the autocast dtype."""
-    dtype = query.dtype if query.dtype in FLASH_DTYPES else torch.get_autocast_dtype(query.device.type)
-    return tuple(x.transpose(1, 2).squeeze(0).to(dtype) for x in (query, key, value))
-
-
-def varlen_attention(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs
-):
-    """torch's `varlen_attn` (flash, CUDA, half precision): every packed sequence in one call. It has no dropout
-    argument: when attention dropout trains, the plan names `flash_attention` instead. `sliding_window` is
-    transformers' kwarg (flash's inclusive window is `sliding_window - 1` keys either side, the radius)."""
-    query, key, value = flash_layout(query, key, value)
-    options = {"scale": scaling} if VARLEN_TAKES_SCALE else {}
-    if sliding_window is not None:
-        options["window_size"] = (sliding_window - 1, sliding_window - 1)
-    context = varlen_attn(query, key, value, *(kwargs[name] for name in VARLEN_KWARGS), **options)
-    return context.unsqueeze(0), None
-
-
-def flash_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kw):
-    """torch's flash kernel on the packed tokens (`aten._flash_attention_forward`, the kernel SDPA reaches): every
-    sequence in one call per layer, with attention dropout inside the kernel. Its autograd formula hands the RNG
-    state the forward returns to `_flash_attention_backward`, which replays the same dropout mask."""
-    query, key, value = flash_layout(query, key, value)
-    cu_seq_lens, longest = kw["cu_seq_lens_q"], kw["max_length_q"]
-    radius = -1 if sliding_window is None else sliding_window - 1  # -1: no window
-    window = {"window_size_left": radius, "window_size_right": radius} if FLASH_TAKES_WINDOW else {}
-    context = torch.ops.aten._flash_attention_forward(
-        query, key, value, cu_seq_lens, cu_seq_lens, longest, longest, dropout, False, False, scale=scaling, **window
-    )[0]
-    return context.unsqueeze(0), None
-
-
-def band_block(radius: int) -> int:
-    """Queries per block of `banded_attention`: the radius (rounded up to a power of two), 32 to 128. Each block
-    computes block x (block + 2 radius) scores, so a small block wastes little on scores outside the band but makes
-    more, smaller matmuls. Measured on this CPU, 1 thread, 4096 tokens, 4 heads of 64, two runs on a shared machine
-    (docs/benchmarks/sliding-window-blocks-1thread.txt): this choice was the fastest or within 15% of it at radius 16,
-    64 and 128, where blocks of 16 were up to 1.7x slower and 512 2-6x slower."""
-    return min(max(32, 1 << (radius - 1).bit_length()), 128)
-
-
-def band_blocks(radius: int, length: int) -> tuple[int, int, int, int]:
-    """How `banded_attention` cuts a row of `length`: queries per block, blocks, keys per block (the block and the
-    radius on each side) and the padding that completes the last block."""
-    block = band_block(radius)
-    blocks = -(-length // block)
-    return block, blocks, block + 2 * radius, blocks * block - length
-
-
-def band_layout(radius: int, length: int, sequence_ids: torch.Tensor | None, device) -> torch.Tensor:
-    """Which of its keys each query of `banded_attention` sees, built once per forward: (batch or 1, 1, blocks,
-    block, span), True within the band |i - j| <= radius, inside the row and, given `sequence_ids` ((batch, seq),
-    padding -1), in the query's own sequence. Padded rows, packed real tokens and flattened rows all use it, with
-    distances along the row equal to distances within a sequence."""
-    block, blocks, span, tail = band_blocks(radius, length)
-    starts = torch.arange(blocks, device=device)[:, None, None] * block
-    query_at = starts + torch.arange(block, device=device)[:, None]  # (blocks, block, 1)
-    key_at = starts - radius + torch.arange(span, device=device)  # (blocks, 1, span)
-    allowed = ((query_at - key_at).abs() <= radius) & (key_at >= 0) & (key_at < length)
-    if sequence_ids is None:
-        return allowed[None, None]
-    ids = sequence_ids.to(device)
-    query_ids = nn.functional.pad(ids, (0, tail), value=-2).unflatten(1, (blocks, block))
-    key_ids = nn.functional.pad(ids, (radius, radius + tail), value=-3).unfold(1, span, block)
-    return (allowed & (query_ids[..., None] == key_ids[:, :, None, :])).unsqueeze(1)
-
-
-def banded_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **_):
-    """Sliding-window attention that costs O(tokens x window): the queries in blocks, each block against the keys
-    within the radius of its first and last query (one batched matmul over all blocks, no loop), masked by
-    `attention_mask`, the `band_layout` of this radius and row. No tokens x tokens tensor exists.
-    `sliding_window` is transformers' kwarg (the radius + 1, as flash reads it)."""
-    radius, length = sliding_window - 1, query.shape[2]
-    block, blocks, span, tail = band_blocks(radius, length)
-
-    def key_windows(x):  # (batch, heads, seq, dim) -> (batch, heads, blocks, span, dim): each block's keys, a view
-        return nn.functional.pad(x, (0, 0, radius, radius + tail)).unfold(2, span, block).transpose(-1, -2)
-
-    queries = nn.functional.pad(query, (0, 0, 0, tail)).unflatten(2, (blocks, block))
-    scores = torch.matmul(queries, key_windows(key).transpose(-1, -2)) * scaling  # (batch, heads, blocks, block, span)
-    # the most negative finite score, not -inf: a row with nothing allowed (padding past the end) stays finite
-    scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-    weights = nn.functional.softmax(scores, dim=-1)
-    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-    context = torch.matmul(weights, key_windows(value)).flatten(2, 3)[:, :, :length]
-    return context.transpose(1, 2).contiguous(), None
-
-
-VARLEN_ATTENTION, PER_SEQUENCE = "encoderstack_varlen", "encoderstack_per_sequence"
-FLASH_ATTENTION, BANDED_ATTENTION = "encoderstack_flash", "encoderstack_banded"
-AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
-AttentionInterface.register(PER_SEQUENCE, per_sequence_attention)
-AttentionInterface.register(FLASH_ATTENTION, flash_attention)
-AttentionInterface.register(BANDED_ATTENTION, banded_attention)
-
-
 class LayerProjection(nn.Linear):
     """A projection inside a layer, whose init the placement may set (DeepScaleLM's normal(0, 1/fan_in))."""
+
+    init_std: float | None = None  # set by the layer from its rows; None: BERT's init
 
 
 class BranchProjection(LayerProjection):
@@ -783,90 +291,12 @@ class EncoderStackMLP(nn.Module):
         return self.down(self.act(self.up(hidden_states)))
 
 
-def unscaled(count: int) -> float:
-    return 1.0
-
-
-@dataclass(frozen=True)
-class Placement:
-    """One normalization placement, the whole of it: the norms around each sublayer F, the scales on its shortcut,
-    branch and input as functions of the depth N (or of the 1-based layer l), the init, ResiDual's second stream, and,
-    for placements whose sublayers differ, the row each sublayer follows. The README gives the equations."""
-
-    norm_in: bool = False  # F(LN(h))
-    norm_branch: bool = False  # LN(F(.)) before the residual add
-    norm_out: bool = False  # LN(h + F(.))
-    final_norm: bool = False  # one more norm after the last layer
-    dual_stream: bool = False  # ResiDual: also accumulate the un-normalized sum of every F
-    qkv_norm: bool = False  # HybridNorm: attention normalizes each head's query, key and value
-    omega: bool = False  # Admin: a learnable per-feature shortcut scale, h -> LN(omega * h + F(h)), see profile_admin
-    alpha: Callable[[int], float] = unscaled  # h -> LN(alpha(N) h + F(.)); DeepScaleLM's lambda
-    branch_scale: Callable[[int], float] = unscaled  # h -> h + beta(N) F(.), DeepScaleLM's beta
-    input_scale: Callable[[int], float] = unscaled  # F(scale(l) LN(h)), l the 1-based layer: LayerNorm Scaling
-    init_gain: Callable[[int], float] = unscaled  # on the init std of every `BranchProjection`
-    fan_in_init: bool = False  # every projection of a layer starts from normal(0, 1/fan_in): DeepScaleLM
-    # (config, 0-based layer index, "attention" or "mlp") -> the row that sublayer follows; None: this row
-    per_sublayer: Callable[[EncoderStackConfig, int, str], "Placement"] | None = None
-
-    def at(self, config: EncoderStackConfig, layer_idx: int, sublayer: str) -> "Placement":
-        return self if self.per_sublayer is None else self.per_sublayer(config, layer_idx, sublayer)
-
-
-def mix_ln(config: EncoderStackConfig, layer_idx: int, sublayer: str) -> Placement:
-    """Mix-LN: post-LN in the first floor(mix_ln_ratio * N) layers, pre-LN after."""
-    post_layers = math.floor(config.mix_ln_ratio * config.num_hidden_layers)
-    return PLACEMENTS["post"] if layer_idx < post_layers else PLACEMENTS["pre"]
-
-
-def hybrid_norm(config: EncoderStackConfig, layer_idx: int, sublayer: str) -> Placement:
-    """HybridNorm, x' = x + Attn(QKV-norm); x = LN(x') + FFN(LN(x')): written per sublayer, the norm after the
-    attention's add, and a plain residual around the feed-forward network (its input and shortcut are that norm)."""
-    return Placement(norm_out=True, qkv_norm=True) if sublayer == "attention" else Placement()
-
-
-def hybrid_norm_star(config: EncoderStackConfig, layer_idx: int, sublayer: str) -> Placement:
-    """HybridNorm*: the first layer pre-LN around both sublayers (its attention keeps the QKV-norm)."""
-    if layer_idx == 0:
-        return Placement(norm_in=True, qkv_norm=sublayer == "attention")
-    return hybrid_norm(config, layer_idx, sublayer)
-
-
-def pre_skip_first(config: EncoderStackConfig, layer_idx: int, sublayer: str) -> Placement:
-    """ModernBERT's pre-LN: the first attention reads the normalized embeddings without a norm of its own."""
-    return Placement() if (layer_idx, sublayer) == (0, "attention") else PLACEMENTS["pre"]
-
-
-SANDWICH = Placement(norm_in=True, norm_branch=True, final_norm=True)
-PLACEMENTS = {
-    "post": Placement(norm_out=True),
-    "pre": Placement(norm_in=True, final_norm=True),
-    "sandwich": SANDWICH,
-    "deepnorm": Placement(norm_out=True, alpha=lambda n: (2 * n) ** 0.25, init_gain=lambda n: (8 * n) ** -0.25),
-    "resi_dual": Placement(norm_out=True, final_norm=True, dual_stream=True),
-    "peri": SANDWICH,  # Peri-LN is the literature's name for the sandwich block
-    "mix": Placement(final_norm=True, per_sublayer=mix_ln),
-    "lns": Placement(norm_in=True, final_norm=True, input_scale=lambda layer: layer**-0.5),
-    "hybrid": Placement(final_norm=True, per_sublayer=hybrid_norm),
-    "hybrid_star": Placement(final_norm=True, per_sublayer=hybrid_norm_star),
-    "admin": Placement(norm_out=True, omega=True),
-    "deepscale": Placement(
-        norm_in=True,
-        final_norm=True,
-        alpha=lambda n: (1 - 1 / n) ** 0.5,
-        branch_scale=lambda n: (1 / n) ** 0.5,
-        fan_in_init=True,
-    ),
-    "pre_skip_first": Placement(final_norm=True, per_sublayer=pre_skip_first),
-}
-
-
 class Residual(nn.Module):
     """One sublayer wrapped in its residual connection and norms, as the placement's row for this layer and sublayer
     says: the only code that applies a placement."""
 
-    def __init__(self, config: EncoderStackConfig, layer_idx: int, sublayer: str):
+    def __init__(self, config: EncoderStackConfig, placement: Placement, layer_idx: int):
         super().__init__()
-        placement = PLACEMENTS[config.norm_placement].at(config, layer_idx, sublayer)
         self.norm_in = make_norm(config) if placement.norm_in else nn.Identity()
         self.norm_branch = make_norm(config) if placement.norm_branch else nn.Identity()
         self.norm_out = make_norm(config) if placement.norm_out else nn.Identity()
@@ -899,12 +329,18 @@ class EncoderStackLayer(GradientCheckpointingLayer):
 
     def __init__(self, config: EncoderStackConfig, layer_idx: int):
         super().__init__()
-        attention = PLACEMENTS[config.norm_placement].at(config, layer_idx, "attention")
+        placement = PLACEMENTS[config.norm_placement]
+        attention, mlp = (placement.at(config, layer_idx, sublayer) for sublayer in ("attention", "mlp"))
         self.layer_type = layer_type_of(config, layer_idx)
         self.attention = EncoderStackAttention(config, qkv_norm=attention.qkv_norm, layer_type=self.layer_type)
-        self.attention_residual = Residual(config, layer_idx, "attention")
+        self.attention_residual = Residual(config, attention, layer_idx)
         self.mlp = EncoderStackMLP(config)
-        self.mlp_residual = Residual(config, layer_idx, "mlp")
+        self.mlp_residual = Residual(config, mlp, layer_idx)
+        for sublayer, row in ((self.attention, attention), (self.mlp, mlp)):
+            for projection in sublayer.modules():
+                if isinstance(projection, LayerProjection):
+                    branch = isinstance(projection, BranchProjection)
+                    projection.init_std = row.init_std(config, projection.in_features, branch)
 
     def forward(self, hidden_states, dual, attention_mask, rotary=None, **kwargs):
         """`rotary`: {layer type: (cos, sin)}, of which this layer takes its type's."""
@@ -940,37 +376,6 @@ class EncoderStackPooler(nn.Module):
         return torch.tanh(self.dense(first_tokens))
 
 
-@dataclass(frozen=True)
-class Heads:
-    """The parts of the task heads that differ between the BERT-family layouts (`config.head_layout`), the way
-    `Placement` holds a placement: what feeds the sequence-level classifiers (None: BERT's pooler in the encoder; an
-    activation: the head's own dense layer and that activation on the first token, without a pooler) and the
-    masked-LM head's activation (None: `hidden_act`); whether the bare encoder has BERT's pooler at all; whether the
-    per-token classifiers also get the dense layer and activation first, and whether a norm follows them (ModernBERT's
-    prediction head); and what the masked-LM head is: `"transform"` (dense, activation, norm, decoder: BERT's),
-    `"decoder"` (the decoder alone) or `"two_layer"` (dense, activation, dense back, activation, decoder)."""
-
-    sequence: str | None = None  # sequence classification
-    choice: str | None = None  # multiple choice
-    token: str | None = None  # token classification and question answering
-    lm_act: str | None = None
-    pooler: bool = True
-    transform_norm: bool = False
-    lm: str = "transform"
-
-
-HEADS = {
-    "bert": Heads(),
-    "roberta": Heads(sequence="tanh", lm_act="gelu"),  # multiple choice keeps the pooler, as RoBERTa's does
-    "electra": Heads(sequence="gelu", choice="gelu", lm_act="gelu", pooler=False),
-    "distilbert": Heads(sequence="relu", choice="relu", pooler=False),
-    "modernbert": Heads(sequence="gelu", choice="gelu", token="gelu", lm_act="gelu", pooler=False, transform_norm=True),
-    "eurobert": Heads(sequence="gelu", pooler=False, lm="decoder"),
-    "ultrabert": Heads(lm_act="gelu_pytorch_tanh", pooler=False, lm="two_layer"),
-    "neobert": Heads(sequence="tanh", pooler=False, lm="decoder"),
-}
-
-
 class EncoderStackLMHead(nn.Module):
     """The masked-LM head, as the layout's `Heads.lm` says: BERT's dense, activation, norm, then the decoder tied to
     the word embeddings (at `embedding_size` where the embeddings are narrower than the hidden states, as ELECTRA's
@@ -999,6 +404,11 @@ class EncoderStackLMHead(nn.Module):
         if self.dense_out is not None:
             hidden_states = self.act(self.dense_out(hidden_states))
         return self.decoder(self.norm(hidden_states))
+
+
+def has_shortcut_scales(encoder) -> bool:
+    """Whether the encoder's residuals hold Admin's omegas, which profiling sets."""
+    return any(layer.attention_residual.omega is not None for layer in encoder.layers)
 
 
 class EncoderStackPreTrainedModel(PreTrainedModel):
@@ -1041,13 +451,8 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
         DeepScaleLM's normal(0, 1/fan_in) for every projection of a layer; Admin's omega starts at 1 (see
         `profile_admin`), DyT/Derf at weight 1, bias 0, alpha `dyt_alpha_init`, shift 0."""
         super()._init_weights(module)
-        placement = PLACEMENTS[self.config.norm_placement]
-        if isinstance(module, LayerProjection) and placement.fan_in_init:
-            init.normal_(module.weight, mean=0.0, std=module.in_features**-0.5)
-        elif isinstance(module, BranchProjection):
-            gain = placement.init_gain(self.config.num_hidden_layers)
-            if gain != 1.0:
-                init.normal_(module.weight, mean=0.0, std=self.config.initializer_range * gain)
+        if isinstance(module, LayerProjection) and module.init_std is not None:
+            init.normal_(module.weight, mean=0.0, std=module.init_std)
         elif isinstance(module, Residual) and module.omega is not None:
             init.ones_(module.omega)
         elif isinstance(module, DynamicTanh):
@@ -1062,6 +467,12 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
                 init.copy_(getattr(module, f"{layer_type}_inv_freq"), inv_freq)
                 init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), inv_freq)
 
+    def prepare_for_training(self, input_ids, attention_mask=None, token_type_ids=None) -> None:
+        """What a fresh model does on a typical batch before its first training step, as its placement needs: Admin's
+        shortcut scales profiled (`profile_admin`); nothing for the other placements."""
+        if has_shortcut_scales(self.model if isinstance(self, EncoderStackHead) else self):
+            self.profile_admin(input_ids, attention_mask, token_type_ids=token_type_ids)
+
     @torch.no_grad()
     def profile_admin(self, input_ids, attention_mask=None, token_type_ids=None) -> list[float]:
         """Admin (Liu et al. 2020): set every sublayer's shortcut scale omega from one forward pass on a batch, as its
@@ -1069,7 +480,7 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
         the sublayers in order, variances over every feature of the real tokens. Call it once, before training, on a
         typical batch; returns the omegas. Only for `norm_placement="admin"`."""
         encoder = self.model if isinstance(self, EncoderStackHead) else self
-        if self.config.norm_placement != "admin":
+        if not has_shortcut_scales(encoder):
             raise ValueError(f"profile_admin is for norm_placement='admin', not {self.config.norm_placement!r}.")
         real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         omegas, shortcut = [1.0], []
@@ -1152,7 +563,8 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         hidden_states = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
         if plan.packed:
             kwargs.update(packing.attention_kwargs())
-        masks = self.attention_masks(plan, hidden_states, attention_mask)
+        layer_types = [layer.layer_type for layer in self.layers]
+        masks = attention_masks(self.config, plan, layer_types, hidden_states, attention_mask)
         # in the compute dtype: under autocast, float32 tables would promote bfloat16 queries and keys back to float32
         rotary = self.rotary(position_ids, plan.facts.dtype) if self.rotary is not None else None
         dual = None
@@ -1167,39 +579,6 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
             pooled = self.pooler(first_tokens(hidden_states, attention_mask, packing))
         return BaseModelOutputWithPooling(last_hidden_state=hidden_states, pooler_output=pooled)
 
-    def attention_masks(self, plan: ExecutionPlan, hidden_states, attention_mask) -> dict:
-        """Each layer type's mask, built once and only for the types that run (as transformers' ModernBERT keeps them):
-        none on packed rows (attention reads `cu_seq_lens`), the padding (and block-diagonal) mask of full layers,
-        and for sliding layers what their attention function reads: `banded_attention`'s layout of the band, one band
-        mask per sequence on the per-sequence path, else the band as a mask (dense, or flex's block-sparse one)."""
-        packing, layer_types = plan.packing, {plan.runs_as(layer.layer_type) for layer in self.layers}
-        masks = dict.fromkeys(layer_types)
-        sequences = None
-        if plan.kind == "block_diagonal":
-            sequences = packed_sequence_mask_function(packing.sequence_ids())
-        if "full_attention" in layer_types and not plan.packed:
-            masks["full_attention"] = create_bidirectional_mask(
-                self.config, hidden_states, attention_mask, and_mask_function=sequences
-            )
-        if "sliding_attention" not in layer_types:
-            return masks
-        radius = plan.facts.sliding_window
-        if plan.sliding == BANDED_ATTENTION:
-            ids = None
-            if packing is not None:
-                ids = packing.packed_sequence_ids() if plan.packed else packing.sequence_ids()
-            elif attention_mask is not None:
-                ids = attention_mask.long() - 1  # one sequence a row; padding -1
-            masks["sliding_attention"] = band_layout(radius, hidden_states.shape[1], ids, hidden_states.device)
-        elif plan.sliding == PER_SEQUENCE:
-            # in the compute dtype, the queries' (under autocast the hidden states stay float32)
-            masks["sliding_attention"] = band_masks(packing.lengths, radius, plan.facts.dtype, hidden_states.device)
-        elif not plan.packed:
-            masks["sliding_attention"] = create_bidirectional_sliding_window_mask(
-                self.config, hidden_states, attention_mask, and_mask_function=sequences
-            )
-        return masks
-
     def execution_plan(
         self,
         input_ids=None,
@@ -1210,153 +589,14 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         padding_free=None,
         **kwargs,
     ) -> ExecutionPlan:
-        """Checks the inputs, then decides how a forward on them runs (`decide_plan`), with the packing it runs on:
-        what `forward` does first, and the way to ask from Python which plan given inputs get. Logged at debug level.
-
-        Flattened rows (`position_ids` that restart inside a row, or `cu_seq_lens_q/k`: what
-        `DataCollatorWithFlattening` gives) always get a packing, so that no sequence attends to its neighbours.
-        """
+        """How a forward on these inputs runs, with the packing it runs on (`execution_encoderstack.execution_plan`
+        checks the inputs and decides): what `forward` does first, and the way to ask from Python which plan given
+        inputs get. Logged at debug level, under this module's logger."""
         inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
-        if padding_free is None:
-            padding_free = self.config.padding_free
-        if not isinstance(padding_free, bool):
-            raise ValueError(f"`padding_free` must be True, False or None, got {padding_free!r}.")
-        real = attention_mask.bool() if attention_mask is not None and attention_mask.dim() == 2 else None
-        # a padded batch's lengths are read in the input checks' one host sync (rows that turn out flattened
-        # never use them)
-        counted = real if padding_free and "cu_seq_lens_q" not in kwargs else None
-        lengths = self._check_inputs(*inputs, lengths_of=counted)
-        shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:2])
-        device = input_ids.device if input_ids is not None else inputs_embeds.device
-        packing = flattened_rows(position_ids, real, shape, device, kwargs)
-        if position_ids is None:
-            self._check_sequence_length(shape[1] if packing is None else packing.max_length)
-        kind = "whole" if packing is None else "flattened"
-        if packing is None and real is not None:
-            kind = "padded"  # without padding_free, or compiled (which cannot branch on values), nothing packs
-            if lengths is not None:
-                kind = "padded" if any(lengths) and min(lengths) < shape[1] else "whole"
-        else:
-            lengths = None
-        longest = max(lengths) if lengths else packing.max_length if packing is not None else shape[1]
-        facts = self.plan_facts(kind, device, padding_free, kwargs, longest)
-        plan = decide_plan(dataclasses.replace(facts, padded_tokens=shape[0] * shape[1]))
-        if plan.sliding is not None and attention_mask is not None and attention_mask.dim() == 4:
-            raise ValueError(
-                "A prepared 4-D `attention_mask` cannot carry the sliding layers' window: pass the 2-D padding mask."
-            )
-        if plan.packed and packing is None:
-            packing = PackedSequences.from_attention_mask(real, lengths)
+        plan = execution_plan(self.config, inputs, padding_free, kwargs, self.dtype, self.training)
         if not torch.compiler.is_compiling():  # a logging call would break the compiled graph
             logger.debug("EncoderStack execution plan: %s through %s: %s", plan.kind, plan.attention, plan.reason)
-        return dataclasses.replace(plan, packing=packing)
-
-    def plan_facts(self, inputs: str, device: torch.device, padding_free: bool, kwargs, longest: int = 0) -> PlanFacts:
-        """What the plan depends on, read here and nowhere else: the compute dtype is autocast's where autocast is on
-        (`Trainer(bf16=True)` keeps float32 weights), else the weights'."""
-        config = self.config
-        autocast = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
-        recording = any(
-            kwargs.get(f"output_{name}", getattr(config, f"output_{name}", False))
-            for name in ("hidden_states", "attentions")
-        )
-        return PlanFacts(
-            inputs=inputs,
-            backend=config._attn_implementation,
-            device_type=device.type,
-            capability=cuda_capability(device),
-            dtype=torch.get_autocast_dtype(device.type) if autocast else self.dtype,
-            head_dim=config.hidden_size // config.num_attention_heads,
-            attention_dropout=self.training and config.attention_probs_dropout_prob > 0,
-            padding_free=padding_free,
-            recording=bool(recording),
-            compiling=torch.compiler.is_compiling(),
-            varlen_kernel=varlen_attn is not None,
-            sliding_window=config.sliding_window if "sliding_attention" in (config.layer_types or ()) else None,
-            longest=longest,
-            varlen_window=VARLEN_TAKES_WINDOW,
-            flash_window=FLASH_TAKES_WINDOW,
-        )
-
-    def _check_sequence_length(self, longest: int) -> None:
-        """The positions the model numbers itself must exist: each sequence's, not the length of a flattened row."""
-        limit, offset = self.config.max_position_embeddings, self.config.position_offset or 0
-        if self.config.position_embedding_type == "absolute" and longest + offset > limit:
-            raise ValueError(
-                f"Sequence length {longest} exceeds the {limit - offset} learned positions "
-                f"(`max_position_embeddings` {limit}" + (f", counted from {offset})." if offset else ").")
-            )
-
-    def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, lengths_of=None):
-        """Turn the mistakes that would otherwise surface as an index error deep in a kernel into a clear message.
-        Given `lengths_of` (the padded batch's real tokens), also returns its row lengths, read in the same host sync
-        as the checked values (None when compiling: compiled code cannot branch on values)."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
-        hidden = self.config.embedding_size or self.config.hidden_size
-        if inputs_embeds is not None and (
-            not inputs_embeds.is_floating_point() or inputs_embeds.shape[-1:] != (hidden,)
-        ):
-            raise ValueError(
-                f"`inputs_embeds` must be floating point of shape (batch, sequence, {hidden}), got "
-                f"{tuple(inputs_embeds.shape)} of {inputs_embeds.dtype}."
-            )
-        shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1])
-        if len(shape) != 2 or 0 in shape:
-            raise ValueError(f"Expected inputs of shape (batch, sequence), neither of them 0, got {shape}.")
-        for name, ids in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("position_ids", position_ids)):
-            if ids is not None and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
-                raise TypeError(f"`{name}` must hold integer ids, got {ids.dtype}.")
-        for name, value in (
-            ("attention_mask", attention_mask),
-            ("token_type_ids", token_type_ids),
-            ("position_ids", position_ids),
-        ):
-            if value is None:
-                continue
-            if name == "attention_mask" and value.dim() == 4:  # a prepared mask, passed on as transformers does
-                fits = value.shape[0] in (1, shape[0]) and tuple(value.shape[2:]) == (shape[1], shape[1])
-            else:
-                fits = tuple(value.shape) == shape or (
-                    name != "attention_mask"
-                    and value.shape[-1:] == shape[1:]
-                    and value.dim() <= 2
-                    and value.numel() == shape[1]
-                )
-            if not fits:
-                raise ValueError(f"`{name}` has shape {tuple(value.shape)}, but the inputs have shape {shape}.")
-        limit, offset = self.config.max_position_embeddings, self.config.position_offset or 0
-        if torch.compiler.is_compiling():
-            return None
-        ranges = [("input_ids", input_ids, 0, self.config.vocab_size)]
-        if self.config.type_vocab_size:  # a model without token types ignores them, as its families' classes do
-            ranges.append(("token_type_ids", token_type_ids, 0, self.config.type_vocab_size))
-        if self.config.position_embedding_type == "absolute":
-            # positions below the offset are rows a RoBERTa-style model never trained (padding's, or none)
-            ranges.append(("position_ids", position_ids, offset, limit))
-        ranges = [(name, ids, *bounds) for name, ids, *bounds in ranges if ids is not None and ids.numel()]
-        bounds = [torch.stack((ids.min(), ids.max())).long() for _, ids, _, _ in ranges]
-        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
-        if mask is not None:  # its values other than 0 and 1, counted, and read in the same sync as the ranges
-            not_binary = ((mask != 0) & (mask != 1)).sum()
-            bounds.append(torch.stack((not_binary, torch.zeros_like(not_binary))))
-        if lengths_of is not None:
-            bounds.append(lengths_of.sum(-1))
-        if not bounds:
-            return None
-        device = bounds[0].device
-        values = torch.cat([b.to(device, torch.long) for b in bounds]).tolist()  # one host sync for all of them
-        read = [values[i : i + 2] for i in range(0, 2 * len(ranges) + 2 * (mask is not None), 2)]
-        lengths = values[len(values) - lengths_of.shape[0] :] if lengths_of is not None else None
-        if mask is not None and read[-1][0]:
-            raise ValueError(
-                f"`attention_mask` must hold 1 for real tokens and 0 for padding, got values "
-                f"{sorted(set(mask.unique().tolist()))}."
-            )
-        for (name, _, first, size), (low, high) in zip(ranges, read):
-            if low < first or high >= size:
-                raise ValueError(f"`{name}` must lie in [{first}, {size - 1}], got values from {low} to {high}.")
-        return lengths
+        return plan
 
 
 @dataclass
@@ -1415,6 +655,37 @@ def span_loss(logits: torch.Tensor, real: torch.Tensor, positions: torch.Tensor)
     positions = positions.reshape(-1).to(logits.device).clamp(0, ignored)
     at_real_token = real.gather(1, positions.clamp(max=ignored - 1)[:, None]).squeeze(1) & (positions < ignored)
     return cross_entropy(logits, positions.where(at_real_token, ignored), ignore_index=ignored)
+
+
+def first_real_tokens(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """(batch, seq, ...) -> (batch, ...): each row's first real token, what a first-token head pools. That is position
+    0 under right padding, as in BERT; under left padding BERT would pool a padding token (and padding-free, which
+    leaves zeros there, a constant), so the first token the mask marks real is taken on every path."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return hidden_states[:, 0]
+    first = attention_mask.to(device=hidden_states.device, dtype=torch.int).argmax(-1)  # the first 1 of each row
+    return hidden_states[torch.arange(first.numel(), device=first.device), first]
+
+
+def first_tokens(hidden_states: torch.Tensor, attention_mask, packing: "PackedSequences | None") -> torch.Tensor:
+    """(batch, seq, ...) -> (sequences, ...): the first real token of every sequence, rows or flattened."""
+    if packing is not None and packing.flattened:
+        return packing.first_tokens(packing.pack(hidden_states))
+    return first_real_tokens(hidden_states, attention_mask)
+
+
+def pool_tokens(encoded: "Encoded", tokens: torch.Tensor, pooling: str) -> torch.Tensor:
+    """(batch, seq, ...) -> (sequences, ...): each sequence's first real token (`"first"`) or the mean of its real
+    tokens (`"mean"`), in rows or flattened sequences."""
+    packing = encoded.packing
+    if pooling == "first":
+        return first_tokens(tokens, encoded.real, packing)
+    if packing is not None and packing.flattened:
+        tokens, real = packing.by_sequence(packing.pack(tokens))
+    else:
+        real = encoded.real if encoded.real is not None else tokens.new_ones(tokens.shape[:2], dtype=torch.bool)
+    real = real.to(device=tokens.device, dtype=tokens.dtype).unsqueeze(-1)
+    return (tokens * real).sum(1) / real.sum(1)
 
 
 @dataclass

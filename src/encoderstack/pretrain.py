@@ -52,7 +52,8 @@ METRICS = ("mlm_loss", "perplexity", "accuracy")
 EVAL_MASK_SEED = 1234  # one masking of the evaluation text for every run, so that runs compare
 HELD_OUT = 0.1  # of the training documents, when no evaluation text is given
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-ADMIN_PROFILING_SEQUENCES = 32
+PREPARATION_SEQUENCES = 32
+ADMIN_PROFILING_SEQUENCES = PREPARATION_SEQUENCES  # the old name, kept for one release
 
 
 class PretrainError(TrainingError):
@@ -412,13 +413,12 @@ def choose_tokenizer(model, tokenizer, train_tokenizer, config, documents, saved
 
 
 def starting_model(model, config, tokenizer, train_set):
-    """The model to train and the tensors it had to initialize (the MLM head of a folder without one). A fresh Admin
-    model has its shortcut scales profiled on the first training sequences (`profile_admin`)."""
+    """The model to train and the tensors it had to initialize (the MLM head of a folder without one). A fresh model
+    prepares itself for training on the first training sequences (`prepare_for_training`)."""
     if model is None:
         network = EncoderStackForMaskedLM(fresh_config(config, tokenizer))
-        if network.config.norm_placement == "admin":
-            rows = train_set[:ADMIN_PROFILING_SEQUENCES]["input_ids"]
-            network.profile_admin(*padded_ids(rows, tokenizer.pad_token_id))
+        rows = train_set[:PREPARATION_SEQUENCES]["input_ids"]
+        network.prepare_for_training(*padded_ids(rows, tokenizer.pad_token_id))
         return network, ["all (a fresh model)"]
     network, info = EncoderStackForMaskedLM.from_pretrained(model, output_loading_info=True)
     return network, sorted(info["missing_keys"])

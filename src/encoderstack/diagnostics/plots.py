@@ -7,17 +7,10 @@ pyplot, so that drawing touches no global backend state.
 from collections.abc import Callable
 from pathlib import Path
 
-from ..configuration_encoderstack import NORM_PLACEMENTS
+from ..configuration_encoderstack import PLACEMENT_REGISTRY
 
 DPI = 80
-COLORS = dict(
-    zip(
-        NORM_PLACEMENTS,
-        ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:pink", "tab:gray")
-        + ("tab:olive", "tab:cyan", "black", "gold", "teal"),
-        strict=True,
-    )
-)
+COLORS = {name: entry.colour for name, entry in PLACEMENT_REGISTRY.items()}
 Series = list[tuple[str, list[float], str]]  # (label suffix, values, line style)
 
 

@@ -90,13 +90,12 @@ PROFILING_BATCH_SIZE = 32
 
 
 def build_masked_lm(config: EncoderStackConfig, seed: int) -> EncoderStackForMaskedLM:
-    """A fresh model from `seed`; Admin's shortcut scales then set by profiling a task batch of their own (drawn from
-    a generator of their own, so the training batches stay those of every other placement)."""
+    """A fresh model from `seed`, prepared for training (Admin's shortcut scales profiled) on a task batch of its own,
+    drawn from a generator of its own, so that the training batches stay those of every other placement."""
     torch.manual_seed(seed)
     model = EncoderStackForMaskedLM(config)
-    if config.norm_placement == "admin":
-        batch = SyntheticMLMTask().sample(PROFILING_BATCH_SIZE, torch.Generator().manual_seed(seed))
-        model.profile_admin(batch["input_ids"], batch["attention_mask"])
+    batch = SyntheticMLMTask().sample(PROFILING_BATCH_SIZE, torch.Generator().manual_seed(seed))
+    model.prepare_for_training(batch["input_ids"], batch["attention_mask"])
     return model
 
 

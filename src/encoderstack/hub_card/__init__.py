@@ -14,7 +14,7 @@ from huggingface_hub.repocard import metadata_load
 
 from .. import modeling_encoderstack
 from ..checkpoint import has_tokenizer
-from ..configuration_encoderstack import PLACEMENT_EQUATIONS, EncoderStackConfig
+from ..configuration_encoderstack import PLACEMENT_REGISTRY, EncoderStackConfig
 from ..jsonfile import read_json_object
 from ..modeling_encoderstack import AUTO_MAP
 from ..parity import parity_rows
@@ -32,21 +32,7 @@ HEADS = {
     "EncoderStackForReplacedTokenDetection": (None, "replaced-token detector (ELECTRA's discriminator)"),
 }
 AUTO_CLASSES = {reference.split(".")[-1]: auto_name for auto_name, reference in AUTO_MAP.items()}
-PLACEMENT_TAGS = {
-    "post": "post-ln",
-    "pre": "pre-ln",
-    "sandwich": "sandwich-ln",
-    "deepnorm": "deepnorm",
-    "resi_dual": "resi-dual",
-    "peri": "peri-ln",
-    "mix": "mix-ln",
-    "lns": "layernorm-scaling",
-    "hybrid": "hybridnorm",
-    "hybrid_star": "hybridnorm-star",
-    "admin": "admin",
-    "deepscale": "deepscalelm",
-    "pre_skip_first": "pre-ln",
-}
+PLACEMENT_TAGS = {name: entry.tag for name, entry in PLACEMENT_REGISTRY.items()}
 # Facts about the weights, not about this particular folder: they hold for the converted model as for its source.
 CARRIED_METADATA = ("license", "license_name", "license_link", "language", "datasets", "metrics")
 
@@ -116,7 +102,7 @@ def architecture_rows(config: EncoderStackConfig, class_name: str) -> list[tuple
             "class",
             f"`{class_name}`" + (f" (loads with `{AUTO_CLASSES[class_name]}`)" if class_name in AUTO_CLASSES else ""),
         ),
-        ("norm placement", f"`{config.norm_placement}`: {PLACEMENT_EQUATIONS[config.norm_placement]}"),
+        ("norm placement", f"`{config.norm_placement}`: {PLACEMENT_REGISTRY[config.norm_placement].equation}"),
         ("layers", config.num_hidden_layers),
         ("hidden size", config.hidden_size),
         (
