@@ -27,8 +27,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from encoderstack.diagnostics.corpus import stdlib_corpus  # noqa: E402
 from encoderstack.diagnostics.sweep import SweepSettings, run_sweep  # noqa: E402
-from encoderstack.pretrain import stdlib_corpus  # noqa: E402
 
 GPU_GRID = SweepSettings(
     corpus="stdlib",

@@ -16,7 +16,8 @@ import common
 import torch
 from common import transformers
 
-from encoderstack.pretrain import MaskedFlattening, chunker, documents, stdlib_corpus
+from encoderstack.diagnostics.corpus import stdlib_corpus
+from encoderstack.pretrain import MaskedFlattening, chunker, documents
 
 
 def corpus_sequences(tokenizer, max_length, corpus_bytes, seed):

@@ -24,12 +24,13 @@ sys.path.remove(str(Path(__file__).resolve().parent))  # let `import onnx` find 
 
 from encoderstack import exporters  # noqa: E402
 from encoderstack.conversion.verify import PAIRS, SENTENCES  # noqa: E402
+from encoderstack.data import SENTIMENT  # noqa: E402
 
 
 def dev_sentences() -> list[str]:
     import csv
 
-    with open(exporters.DATA / "dev.csv", newline="") as file:
+    with open(SENTIMENT / "dev.csv", newline="") as file:
         return [row["text"] for row in csv.DictReader(file)]
 
 

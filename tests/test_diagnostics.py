@@ -34,6 +34,7 @@ from encoderstack.diagnostics import (
     train_synthetic_mlm,
 )
 from encoderstack.diagnostics import corpus as corpus_route
+from encoderstack.diagnostics.corpus import stdlib_corpus
 from encoderstack.diagnostics.plots import FIGURES
 from encoderstack.diagnostics.report import single_threaded
 from encoderstack.diagnostics.sweep import SweepSettings, run_sweep
@@ -45,7 +46,7 @@ from encoderstack.diagnostics.synthetic import (
     build_masked_lm,
     diagnostic_fields,
 )
-from encoderstack.pretrain import pretrain, stdlib_corpus
+from encoderstack.pretrain import pretrain
 
 
 @pytest.fixture(autouse=True)
@@ -679,3 +680,8 @@ def test_a_corpus_admin_model_trains_from_omegas_profiled_on_the_first_training_
     for first_rows, omegas_at_start in at_start:
         assert rows == first_rows
         assert omegas_at_start == pytest.approx(omegas, rel=1e-6)
+
+
+def test_the_stdlib_corpus_lives_beside_the_diagnostics_and_pretrains_old_name_is_the_same_function():
+    assert corpus_route.stdlib_corpus is pretrain_module.stdlib_corpus
+    assert "stdlib_corpus" not in vars(pretrain_module)  # the old name only forwards

@@ -161,7 +161,7 @@ def test_the_finetune_command_under_accelerate_launch_equals_one_process(tiny, t
 
 
 def test_the_pretrain_command_under_torchrun_trains_on_two_ranks_and_writes_one_loadable_model(tiny, tmp_path):
-    from encoderstack.pretrain import stdlib_corpus
+    from encoderstack.diagnostics.corpus import stdlib_corpus
 
     corpus = stdlib_corpus(tmp_path / "stdlib.txt", max_bytes=6_000)
     config = "hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64,max_position_embeddings=64"

@@ -472,3 +472,15 @@ def test_an_opset_the_exporter_falls_back_from_is_refused_not_replaced(tmp_path,
     with pytest.raises(ExportError, match=r"torch.onnx could not write opset 17 for this model \(it wrote 18\)"):
         ES.export_onnx(model, tmp_path / "out", opset=17)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_exporting_imports_no_training_module():
+    """The calibration text is the shipped data, found through `encoderstack.data`, not through `finetune`."""
+    imported = subprocess.run(
+        [sys.executable, "-c", "import sys, encoderstack.exporters; print(sorted(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for module in ("encoderstack.finetune", "encoderstack.pretrain", "encoderstack.training", "datasets"):
+        assert f"'{module}'" not in imported

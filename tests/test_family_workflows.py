@@ -12,9 +12,10 @@ from test_finetune import packed_and_padded_runs
 
 import encoderstack
 from encoderstack.diagnostics import gradient_norms_per_layer
+from encoderstack.diagnostics.corpus import stdlib_corpus
 from encoderstack.finetune import finetune
 from encoderstack.hub import check_folder
-from encoderstack.pretrain import pretrain, stdlib_corpus
+from encoderstack.pretrain import pretrain
 from encoderstack.training import flattening_collator
 
 SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Normalization decides how gradients flow.", "The dog."]

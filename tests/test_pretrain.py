@@ -18,8 +18,9 @@ from conftest import record_admin_profiling, tiny_model_folder
 import encoderstack
 from encoderstack import pretrain as pretraining
 from encoderstack.cli import main
+from encoderstack.diagnostics.corpus import stdlib_corpus
 from encoderstack.finetune import DataError
-from encoderstack.pretrain import MaskedFlattening, PretrainError, pretrain, stdlib_corpus
+from encoderstack.pretrain import MaskedFlattening, PretrainError, pretrain
 
 TINY = "hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64,max_position_embeddings=64"
 
@@ -122,6 +123,22 @@ def test_a_fresh_tiny_pre_ln_model_trained_from_scratch_lowers_its_eval_loss(cor
     config = encoderstack.EncoderStackConfig.from_pretrained(tmp_path / "out")
     assert config.norm_placement == "pre" and config.vocab_size == 400
     assert len(transformers.AutoTokenizer.from_pretrained(tmp_path / "out")) == 400
+
+
+def test_a_run_evaluated_each_epoch_evaluates_its_last_step_once(corpus, tmp_path):
+    """Trainer evaluates the last step itself: a callback that asked for it again logged the last epoch twice."""
+    record = pretrain(
+        config=TINY,
+        train_tokenizer=400,
+        train=corpus,
+        output=tmp_path / "out",
+        max_length=32,
+        batch_size=32,
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        lr=1e-3,
+    )
+    assert [evaluation["step"] for evaluation in record["evaluations"]] == [0, record["steps"]]
 
 
 def write(path, data: bytes):
@@ -271,7 +288,7 @@ def interrupt_at(patch, step: int):
         if state.global_step == step:
             raise KeyboardInterrupt
 
-    patch.setattr(pretraining.EvaluateAtTheEnd, "on_step_end", interrupt)
+    patch.setattr(pretraining.MaskedFlattening, "on_step_end", interrupt)
 
 
 def record_training_batches(monkeypatch) -> list:

@@ -30,7 +30,7 @@ from .configuration_encoderstack import EncoderStackConfig
 from .conversion.keymap import ConversionError, task_named
 from .conversion.sources import require_hf_weights
 from .conversion.verify import OUTPUTS, fitting, sample_batches
-from .finetune import DATA
+from .data import SENTIMENT
 from .jsonfile import read_json_object
 from .modeling_encoderstack import EncoderStackForMultipleChoice, EncoderStackModel, EncoderStackPreTrainedModel
 from .output_folder import OutputFolder
@@ -55,7 +55,7 @@ OPSETS = range(18, 26)
 POOLER = {"pooler.dense.weight", "pooler.dense.bias"}
 NORMALIZATIONS = ("LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization")
 SMOOTHING_ALPHA = 0.5
-CALIBRATION_TEXT = DATA / "train.csv"  # shipped sentences, none of them the verification text
+CALIBRATION_TEXT = SENTIMENT / "train.csv"  # shipped sentences, none of them the verification text
 CALIBRATION_SENTENCES = 160
 
 

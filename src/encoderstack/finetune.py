@@ -7,7 +7,6 @@ Data is CSV or JSON lines, read with `datasets` and checked row by row before an
 import csv
 import io
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -19,29 +18,28 @@ import transformers
 from . import modeling_encoderstack
 from .conversion import keymap
 from .conversion.keymap import ConversionError, task_for_architecture
-from .hub_card import write_card
-from .output_folder import OutputFolder, terminating_signals_raise
+from .data import SENTIMENT as DATA  # finetune.DATA: the name callers import
+from .output_folder import terminating_signals_raise
 from .training import (
     CommandTrainingArguments,
     DataError,
     TrainingError,
     check_weights,
-    cpu_weights,
     datasets_offline,
-    evaluate_weights,
     flattening_collator,
     is_integer,
     load_tokenizer,
     model_config,
+    output_beside_checkpoints,
     plot_losses,
     require_matplotlib,
     setting,
     settings_from,
     settings_record,
     source_family,
+    train_and_save,
 )
 
-DATA = Path(__file__).parent / "data" / "sentiment"
 # Heads whose `classifier` weights another of them would load as its own when the shapes agree.
 CLASSIFIER_HEADS = (
     "EncoderStackForSequenceClassification",
@@ -416,12 +414,7 @@ def finetune(model=None, output=None, **settings) -> dict:
     labels = ("start_positions", "end_positions") if run.task == "question-answering" else ("labels",)
     args.check_run("finetune", spec.metric_names, labels, load_best_model_at_end=True)
     require_matplotlib("plots")
-    # before any work: the output is usable, and no input lies where the run writes, replaces or deletes
-    destination = OutputFolder(
-        args.output_dir, run.force, inputs=[run.model, run.train, run.eval], siblings=["checkpoints"]
-    )
-    checkpoints = destination.sibling("checkpoints")
-    args.output_dir = str(checkpoints)  # Trainer's checkpoints: hidden beside the output until the run is over
+    destination = output_beside_checkpoints(args, run.force, inputs=[run.model, run.train, run.eval])
     config = model_config(run.model)
     with destination.scratch("data") as cache:
         train_rows, eval_rows = read_rows(run.train, cache), read_rows(run.eval, cache)
@@ -457,55 +450,23 @@ def finetune(model=None, output=None, **settings) -> dict:
         "labels": labels,
         "settings": {**settings_record(run, args), "world_size": args.world_size},
     }
-    with terminating_signals_raise():  # SIGTERM, too, ends in the `finally` that removes the checkpoints
-        try:
-            network = getattr(modeling_encoderstack, spec.model_class).from_pretrained(run.model, **label_config)
-            return train_and_save(network, tokenizer, args, spec, train_set, eval_set, destination, record, run.packing)
-        finally:  # the best checkpoint is in `output` by now, or the run failed: either way the rest is scratch
-            if args.should_save:
-                shutil.rmtree(checkpoints, ignore_errors=True)
+    with terminating_signals_raise():  # SIGTERM, too, ends in train_and_save's cleanup of the checkpoints
+        network = getattr(modeling_encoderstack, spec.model_class).from_pretrained(run.model, **label_config)
+        trainer = transformers.Trainer(
+            model=network,
+            args=args,
+            train_dataset=train_set,
+            eval_dataset=eval_set,
+            data_collator=collator(spec, tokenizer, run.packing),
+            compute_metrics=spec.metrics,
+            callbacks=[TiesToTheLowerLoss(args.metric_for_best_model)],
+        )
+        return train_and_save(trainer, tokenizer, destination, "finetune.json", record, results, plot)
 
 
-def train_and_save(
-    network,
-    tokenizer,
-    args,
-    spec: Task,
-    train_set,
-    eval_set,
-    destination: OutputFolder,
-    record: dict,
-    packing: bool = False,
-) -> dict:
-    # The starting point is scored after training, from a copy on the CPU: under DDP (transformers 5.24) a
-    # Trainer.evaluate() before train() changes what the processes then train (measured: 3e-2 off the one-process
-    # weights), and a copy on the accelerator would double the model's memory there for the whole run.
-    starting_weights = cpu_weights(network)
-    trainer = transformers.Trainer(
-        model=network,
-        args=args,
-        train_dataset=train_set,
-        eval_dataset=eval_set,
-        data_collator=collator(spec, tokenizer, packing),
-        compute_metrics=spec.metrics,
-        callbacks=[TiesToTheLowerLoss(args.metric_for_best_model)],
-    )
-    trainer.train()
-    history = list(trainer.state.log_history)
-    after = trainer.evaluate()  # the best checkpoint, reloaded by load_best_model_at_end
-    before = evaluate_weights(trainer, starting_weights)
-    del starting_weights
-    record = {
-        **record,
-        "before": scores(before),
-        "after": scores(after),
-        "best_checkpoint_step": int(Path(trainer.state.best_model_checkpoint).name.split("-")[-1]),
-    }
-    if trainer.is_world_process_zero():
-        with destination as folder:
-            trainer.save_model(folder)
-            tokenizer.save_pretrained(folder)
-            (folder / "finetune.json").write_text(json.dumps(record, indent=2) + "\n")
-            plot_losses(history, folder / "loss.png")
-            write_card(folder, repo_id=destination.path.name)
-    return record
+def results(trainer, output, history, before, after, best_step) -> dict:
+    return {"before": scores(before), "after": scores(after), "best_checkpoint_step": best_step}
+
+
+def plot(history, before, path) -> None:
+    plot_losses(history, path)

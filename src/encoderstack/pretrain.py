@@ -6,7 +6,6 @@ Text is `.txt` (one paragraph a line, blank lines between documents), `.jsonl` (
 them, read line by line (checked as it is read) into a `datasets` Arrow cache that lives only as long as the run.
 """
 
-import ast
 import collections
 import dataclasses
 import hashlib
@@ -14,8 +13,6 @@ import json
 import math
 import shutil
 import sys
-import sysconfig
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,24 +21,24 @@ from typing import ClassVar
 import torch
 import transformers
 
+from . import training
 from .checkpoint import TOKENIZER_FILES, has_tokenizer, sha256
 from .configuration_encoderstack import EncoderStackConfig
-from .hub_card import write_card
 from .jsonfile import read_json_object
 from .modeling_encoderstack import EncoderStackForMaskedLM
-from .output_folder import OutputFolder
 from .training import (
     CommandTrainingArguments,
     DataError,
     TrainingError,
     check_weights,
-    cpu_weights,
+    checkpoints,
     datasets_offline,
-    evaluate_weights,
     flattening_collator,
+    is_complete,
     is_integer,
     load_tokenizer,
     model_config,
+    output_beside_checkpoints,
     plot_losses,
     require_matplotlib,
     setting,
@@ -57,7 +54,6 @@ HELD_OUT = 0.1  # of the training documents, when no evaluation text is given
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PREPARATION_SEQUENCES = 32
 ADMIN_PROFILING_SEQUENCES = PREPARATION_SEQUENCES  # the old name, kept for one release
-TRAINER_STATE = "trainer_state.json"  # Trainer writes it last into a checkpoint: a folder without it was cut short
 
 
 class PretrainError(TrainingError):
@@ -456,28 +452,6 @@ def mlm_metrics(prediction: transformers.EvalPrediction) -> dict:
     return {"mlm_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "accuracy": accuracy}
 
 
-class TokensPerSecond(transformers.ProgressCallback):
-    """Trainer's progress bar, with the training tokens per second (real tokens: the rows carry no padding)."""
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        super().on_train_begin(args, state, control, **kwargs)
-        self.start, self.tokens = time.perf_counter(), state.num_input_tokens_seen
-
-    def on_step_end(self, args, state, control, **kwargs):
-        super().on_step_end(args, state, control, **kwargs)
-        if self.training_bar is not None:
-            rate = (state.num_input_tokens_seen - self.tokens) / max(time.perf_counter() - self.start, 1e-9)
-            self.training_bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
-
-
-class EvaluateAtTheEnd(transformers.TrainerCallback):
-    """The last step is evaluated too, so that the final weights can be the best checkpoint."""
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= state.max_steps:
-            control.should_evaluate = True
-
-
 def folder_digest(folder) -> dict:
     """The sha256 of each file of a model or tokenizer folder but its card: what a resumed run must find again."""
     return {p.name: sha256(p) for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != "README.md"}
@@ -519,16 +493,6 @@ def changed_input(saved: dict, inputs: dict) -> str | None:
             return f"{INPUT_NAMES[key]} is not the interrupted run's (the sha256 of its files differ)"
         return f"{INPUT_NAMES[key]} was {before!r} in the interrupted run, now {value!r}"
     return None
-
-
-def checkpoints(scratch: Path) -> list[Path]:
-    """The run's checkpoint-N folders, oldest first."""
-    found = [p for p in scratch.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[1].isdigit()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-
-def is_complete(checkpoint: Path) -> bool:
-    return (checkpoint / TRAINER_STATE).is_file()
 
 
 def resume_point(scratch: Path, resume: bool, force: bool, run: dict) -> str | None:
@@ -585,11 +549,9 @@ def pretrain(**settings) -> dict:
     args = PretrainTrainingArguments(**trainer_settings)
     args.check_run("pretrain", METRICS, ("labels",), load_best_model_at_end=True, remove_unused_columns=False)
     require_matplotlib("pretrain")
-    # before any work: no input may lie where the run writes, replaces or deletes
     inputs = [run.model, run.config, run.tokenizer, run.train, run.eval]
-    destination = OutputFolder(args.output_dir, run.force, inputs=inputs, siblings=["checkpoints"])
-    scratch = destination.sibling("checkpoints")  # until the run has finished: `resume` picks up the last one
-    args.output_dir = str(scratch)
+    destination = output_beside_checkpoints(args, run.force, inputs)
+    scratch = Path(args.output_dir)  # until the run has finished: `resume` picks up the last one
     folder_config = model_config(run.model) if run.model is not None else None
     if run.model is not None:
         check_weights(run.model, PretrainError)
@@ -606,17 +568,17 @@ def pretrain(**settings) -> dict:
         tokenizer, train_set, eval_set, data = prepare_text(
             train_files,
             eval_files,
-            run.train,
-            Path(cache),
-            run.model,
-            run.tokenizer,
-            run.train_tokenizer,
-            folder_config,
-            run.max_length,
-            run.mlm_probability,
-            run.whole_word_mask,
-            args.seed,
-            run.num_proc,
+            train=run.train,
+            cache=Path(cache),
+            max_length=run.max_length,
+            mlm_probability=run.mlm_probability,
+            seed=args.seed,
+            model=run.model,
+            tokenizer=run.tokenizer,
+            train_tokenizer=run.train_tokenizer,
+            folder_config=folder_config,
+            whole_word_mask=run.whole_word_mask,
+            num_proc=run.num_proc,
             eval=run.eval,
             saved_tokenizer=scratch / "tokenizer" if checkpoint is not None else None,
         )
@@ -652,16 +614,17 @@ def held_out(documents, train, seed: int):
 def prepare_text(
     train_files: dict,
     eval_files: dict,
+    *,
     train,
     cache: Path,
-    model,
-    tokenizer,
-    train_tokenizer,
-    folder_config,
     max_length: int,
     mlm_probability: float,
-    whole_word_mask: bool,
     seed: int,
+    model=None,
+    tokenizer=None,
+    train_tokenizer=None,
+    folder_config=None,
+    whole_word_mask: bool = False,
     num_proc=None,
     eval=None,
     saved_tokenizer=None,
@@ -747,8 +710,7 @@ def refuse_tokenless(where, sequences: int, known: int, unknown_token) -> None:
 def mlm_trainer(
     network, args, tokenizer, train_set, eval_set, mlm_probability: float, whole_word_mask: bool, **kwargs
 ) -> transformers.Trainer:
-    """A pre-training Trainer: masking each sequence on its own, then flattening; the masked-LM metrics; no progress
-    bar (the caller adds its own)."""
+    """A pre-training Trainer: masking each sequence on its own, then flattening; the masked-LM metrics."""
     collator = MaskedFlattening(tokenizer, mlm_probability, whole_word_mask, args.seed)
     trainer = transformers.Trainer(
         model=network,
@@ -761,8 +723,6 @@ def mlm_trainer(
         **kwargs,
     )
     trainer.add_callback(collator)
-    trainer.remove_callback(transformers.ProgressCallback)
-    trainer.remove_callback(transformers.PrinterCallback)
     return trainer
 
 
@@ -777,126 +737,54 @@ def train_and_save(run, args, config, tokenizer, train_set, eval_set, destinatio
             json.dumps({"settings": record["settings"], "inputs": record["inputs"]}, indent=2)
         )
         tokenizer.save_pretrained(scratch / "tokenizer")  # --resume reuses it: a trained one would come out otherwise
-    # The starting point is scored after training, from a copy on the CPU (as in finetune.train_and_save).
-    starting_weights = cpu_weights(network)
-    trainer = mlm_trainer(
-        network,
-        args,
-        tokenizer,
-        train_set,
-        eval_set,
-        run.mlm_probability,
-        run.whole_word_mask,
-        callbacks=[EvaluateAtTheEnd()],
-    )
-    trainer.add_callback(TokensPerSecond())
-    try:
-        result = trainer.train(resume_from_checkpoint=checkpoint)
-    except BaseException:  # an interrupted run keeps its checkpoints for --resume, if one is complete
-        if args.should_save and not any(map(is_complete, checkpoints(scratch))):
-            shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    history = list(trainer.state.log_history)
-    best_step = int(Path(trainer.state.best_model_checkpoint).name.split("-")[-1])
+    trainer = mlm_trainer(network, args, tokenizer, train_set, eval_set, run.mlm_probability, run.whole_word_mask)
     # the best checkpoint's own evaluation: the eval masking is fixed, so evaluating it again would repeat it exactly
-    after = next(entry for entry in history if "eval_mlm_loss" in entry and entry["step"] == best_step)
-    before = evaluate_weights(trainer, starting_weights)
-    del starting_weights
+    return training.train_and_save(
+        trainer,
+        tokenizer,
+        destination,
+        "pretrain.json",
+        {**record, "initialized": initialized},
+        lambda *outcome: results(*outcome, resumed_from=checkpoint),
+        plot,
+        evaluate_best=False,
+        resume_from_checkpoint=checkpoint,
+        resumable=True,
+    )
+
+
+def results(trainer, output, history, before, after, best_step, resumed_from) -> dict:
     trained_tokens = trainer.state.num_input_tokens_seen
-    record = {
-        **record,
-        "initialized": initialized,
+    return {
         "eval_loss_before": before["eval_mlm_loss"],
         "eval_loss_after": after["eval_mlm_loss"],
         "before": {name: before[f"eval_{name}"] for name in METRICS},
         "after": {name: after[f"eval_{name}"] for name in METRICS},
         "steps": trainer.state.global_step,
         "trained_tokens": trained_tokens,
-        "train_tokens_per_second": result.metrics.get("train_runtime")
-        and trained_tokens / result.metrics["train_runtime"],
+        "train_tokens_per_second": output.metrics.get("train_runtime")
+        and trained_tokens / output.metrics["train_runtime"],
         "best_checkpoint_step": best_step,
-        "resumed_from_step": int(Path(checkpoint).name.split("-")[-1]) if checkpoint else None,
+        "resumed_from_step": int(Path(resumed_from).name.split("-")[-1]) if resumed_from else None,
         "evaluations": [{"step": 0, **before}] + [entry for entry in history if "eval_mlm_loss" in entry],
-        "world_size": args.world_size,
+        "world_size": trainer.args.world_size,
         "python": sys.version.split()[0],
     }
-    if trainer.is_world_process_zero():
-        with destination as folder:
-            trainer.save_model(folder)
-            tokenizer.save_pretrained(folder)
-            (folder / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
-            plot_losses(
-                [{"step": 0, "eval_mlm_loss": before["eval_mlm_loss"]}, *history],
-                folder / "loss.png",
-                title="Pre-training loss",
-                eval_key="eval_mlm_loss",
-                learning_rate=True,
-            )
-            write_card(folder, repo_id=destination.path.name)
-        shutil.rmtree(scratch, ignore_errors=True)
-    return record
 
 
-# ------------------------------------------------------------------------------------------------ the stdlib corpus
-
-SKIPPED_PARTS = {"test", "tests", "idle_test", "idlelib", "turtledemo", "lib2to3", "pydoc_data", "site-packages"}
-
-
-def stdlib_sources():
-    """The installed Python's standard-library source files, in a fixed order (modules sorted by name)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for name in sorted(sys.stdlib_module_names):
-        if name.startswith("_") or name in SKIPPED_PARTS or name in ("this", "antigravity"):
-            continue
-        if (root / f"{name}.py").is_file():
-            yield root / f"{name}.py"
-        elif (root / name / "__init__.py").is_file():
-            yield from sorted(
-                p for p in (root / name).rglob("*.py") if not SKIPPED_PARTS & set(p.relative_to(root).parts)
-            )
+def plot(history, before, path) -> None:
+    plot_losses(
+        [{"step": 0, "eval_mlm_loss": before["eval_mlm_loss"]}, *history],
+        path,
+        title="Pre-training loss",
+        eval_key="eval_mlm_loss",
+        learning_rate=True,
+    )
 
 
-def docstrings(path: Path):
-    with warnings.catch_warnings():  # old escape sequences in a few stdlib files
-        warnings.simplefilter("ignore")
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError):
-            return
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            text = ast.get_docstring(node, clean=True)  # what inspect.getdoc gives for the live object
-            if text:
-                yield text
+def __getattr__(name):
+    if name == "stdlib_corpus":  # moved to its one user, diagnostics.corpus; the old name stays for one release
+        from .diagnostics.corpus import stdlib_corpus
 
-
-def prose(docstring: str) -> str:
-    """A docstring's paragraphs of running text, one a line: no code, no doctests, no tables or argument lists."""
-    paragraphs = []
-    for block in docstring.split("\n\n"):
-        lines = block.splitlines()
-        if any(line.startswith((" ", ">>>", "...", "-", "*", "|", "=")) for line in lines):
-            continue
-        text = " ".join(line.strip() for line in lines)
-        if len(text.split()) >= 6 and sum(c.isalpha() for c in text) > 0.7 * len(text.replace(" ", "")):
-            paragraphs.append(text)
-    return "\n".join(paragraphs)
-
-
-def stdlib_corpus(path, max_bytes: int = 500_000) -> Path:
-    """Write a real English corpus nobody on this project wrote: the prose of the installed Python's standard-library
-    docstrings (PSF licence), one docstring a document, one paragraph a line, whole documents up to `max_bytes`.
-    The same Python gives the same bytes every time."""
-    path, written, seen = Path(path), 0, set()
-    with path.open("w", encoding="utf-8") as out:
-        for source in stdlib_sources():
-            for text in map(prose, docstrings(source)):
-                size = len(text.encode()) + 2
-                if not text or text in seen:
-                    continue
-                if written + size > max_bytes:
-                    return path
-                seen.add(text)
-                out.write(text + "\n\n")
-                written += size
-    return path
+        return stdlib_corpus
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

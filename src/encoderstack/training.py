@@ -1,12 +1,14 @@
 """What `finetune` and `pretrain` share: their errors; the checks of a model folder, its weights and its tokenizer;
 the Trainer settings both start from (transformers' `TrainingArguments`, every field under its own name, with our
-defaults and the old flag names as aliases); the settings record; the loss plot; and the scoring of the starting
-weights without a second copy of the model on the accelerator."""
+defaults and the old flag names as aliases); the settings record; the loss plot; and the run itself
+(`train_and_save`): train, score the best checkpoint and the starting weights (without a second copy of the model on
+the accelerator), write the output folder."""
 
 import dataclasses
 import json
 import math
 import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,7 +19,9 @@ from .checkpoint import TOKENIZER_FILES, has_tokenizer
 from .conversion.converter import open_source
 from .conversion.keymap import FAMILIES, ConversionError
 from .conversion.sources import has_hf_weights, require_hf_weights
+from .hub_card import write_card
 from .jsonfile import read_json_object
+from .output_folder import OutputFolder
 
 
 class TrainingError(ValueError):
@@ -62,6 +66,7 @@ NUMBER_RANGES = {
     "seed": ("an integer in [0, 2**32)", lambda v: is_integer(v) and 0 <= v < 2**32),
     "data_seed": ("an integer in [0, 2**32)", lambda v: v is None or is_integer(v) and 0 <= v < 2**32),
 }
+TRAINER_STATE = "trainer_state.json"  # Trainer writes it last into a checkpoint: a folder without it was cut short
 # Optimizers whose own checks need the model (its target modules): Trainer makes them; only their package is ours.
 NEEDS_THE_MODEL = ("galore", "apollo", "lomo", "adalomo")
 
@@ -268,6 +273,74 @@ def flattening_collator() -> transformers.DataCollatorWithFlattening:
     """Each batch as one flattened row described by `cu_seq_lens_q/k` only: the model numbers each sequence's
     positions itself, from the family's offset (the collator's own `position_ids` start at 0, below RoBERTa's)."""
     return transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)
+
+
+def output_beside_checkpoints(args: transformers.TrainingArguments, force: bool, inputs) -> OutputFolder:
+    """The command's output folder, checked before any work (no input may lie where the run writes, replaces or
+    deletes); Trainer's checkpoints go to a hidden folder beside it until the run is over."""
+    destination = OutputFolder(args.output_dir, force, inputs=inputs, siblings=["checkpoints"])
+    args.output_dir = str(destination.sibling("checkpoints"))
+    return destination
+
+
+def checkpoints(scratch: Path) -> list[Path]:
+    """The run's checkpoint-N folders, oldest first."""
+    found = [p for p in scratch.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def is_complete(checkpoint: Path) -> bool:
+    return (checkpoint / TRAINER_STATE).is_file()
+
+
+def train_and_save(
+    trainer: transformers.Trainer,
+    tokenizer,
+    destination: OutputFolder,
+    record_file: str,
+    record: dict,
+    results,
+    plot,
+    evaluate_best: bool = True,
+    resume_from_checkpoint: str | None = None,
+    resumable: bool = False,
+) -> dict:
+    """The run `finetune` and `pretrain` share, given the task's Trainer: train; the best checkpoint's evaluation
+    (`after`: evaluated again with `evaluate_best`, else the one logged during training); the starting weights'
+    (`before`); `record` completed by `results(trainer, train_output, history, before, after, best_step)`; and on the
+    main process the output folder: the best model, the tokenizer, `record_file`, `loss.png` (drawn by
+    `plot(history, before, path)`) and the card. Trainer's checkpoints are removed at the end, and on an error
+    unless the run is `resumable` and one of them is complete."""
+    scratch, metric = Path(trainer.args.output_dir), "eval_" + trainer.args.metric_for_best_model.removeprefix("eval_")
+    # The starting point is scored after training, from a copy on the CPU: under DDP (transformers 5.24) a
+    # Trainer.evaluate() before train() changes what the processes then train (measured: 3e-2 off the one-process
+    # weights), and a copy on the accelerator would double the model's memory there for the whole run.
+    starting_weights = cpu_weights(trainer.model)
+    try:
+        output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+        history = list(trainer.state.log_history)
+        best_step = int(Path(trainer.state.best_model_checkpoint).name.split("-")[-1])
+        if evaluate_best:
+            after = trainer.evaluate()  # the best checkpoint, reloaded by load_best_model_at_end
+        else:
+            after = next(entry for entry in history if metric in entry and entry["step"] == best_step)
+        before = evaluate_weights(trainer, starting_weights)
+        del starting_weights
+        record = {**record, **results(trainer, output, history, before, after, best_step)}
+        if trainer.is_world_process_zero():
+            with destination as folder:
+                trainer.save_model(folder)
+                tokenizer.save_pretrained(folder)
+                (folder / record_file).write_text(json.dumps(record, indent=2) + "\n")
+                plot(history, before, folder / "loss.png")
+                write_card(folder, repo_id=destination.path.name)
+    except BaseException:  # an interrupted resumable run keeps its checkpoints for --resume, if one is complete
+        if trainer.args.should_save and not (resumable and any(map(is_complete, checkpoints(scratch)))):
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    if trainer.args.should_save:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return record
 
 
 def cpu_weights(model) -> dict:

@@ -2,9 +2,12 @@
 documents read into `datasets`, a WordPiece tokenizer trained on them, sequences cut to `MAX_LENGTH`, each masked on
 its own and flattened into one row, a fresh model built from config fields, its Trainer settings."""
 
+import ast
 import copy
 import sys
+import sysconfig
 import tempfile
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,12 +24,11 @@ from ..pretrain import (
     padded_ids,
     prepare_text,
     starting_model,
-    stdlib_corpus,
     text_files,
 )
 from .synthetic import diagnostic_fields
 
-STDLIB = "stdlib"  # --corpus stdlib: pretrain's stdlib_corpus, built at run time
+STDLIB = "stdlib"  # --corpus stdlib: stdlib_corpus, built at run time
 MAX_LENGTH = 64
 BATCH_SIZE = 32
 VOCAB_SIZE = 2000
@@ -55,7 +57,14 @@ def corpus_text(corpus: str, where: Path, seed: int) -> Iterator[CorpusText]:
         path = stdlib_corpus(scratch / "stdlib.txt") if corpus == STDLIB else Path(corpus)
         files = {f: sha256(f) for f in text_files(path)}
         tokenizer, train_set, eval_set, data = prepare_text(
-            files, {}, path, scratch / "data", None, None, VOCAB_SIZE, None, MAX_LENGTH, MLM_PROBABILITY, False, seed
+            files,
+            {},
+            train=path,
+            cache=scratch / "data",
+            train_tokenizer=VOCAB_SIZE,
+            max_length=MAX_LENGTH,
+            mlm_probability=MLM_PROBABILITY,
+            seed=seed,
         )
         if corpus == STDLIB:  # the file lived in the scratch folder; what identifies it is the Python that wrote it
             data["train"][0]["file"] = f"stdlib.txt (stdlib_corpus of Python {sys.version.split()[0]})"
@@ -107,10 +116,12 @@ class StepLosses(transformers.TrainerCallback):
 
 
 def comparison_trainer(model, text: CorpusText, args, callbacks=()) -> transformers.Trainer:
-    """pretrain's Trainer with the settings of `pretrain_settings`."""
-    return mlm_trainer(
+    """pretrain's Trainer with the settings of `pretrain_settings`, silent: the comparison reports its own progress."""
+    trainer = mlm_trainer(
         model, args, text.tokenizer, text.train_set, text.eval_set, MLM_PROBABILITY, False, callbacks=list(callbacks)
     )
+    trainer.remove_callback(transformers.PrinterCallback)  # disable_tqdm: Trainer would print every step's log
+    return trainer
 
 
 def initial_model(placement: str, num_layers: int, hidden_size: int, text: CorpusText, seed: int, **fields):
@@ -150,8 +161,8 @@ def describe(text: CorpusText, batch_size: int = BATCH_SIZE) -> str:
     data = text.data
     files = ", ".join(f"`{entry['file']}` (sha256 `{entry['sha256'][:12]}…`)" for entry in data["train"])
     source = (
-        "the prose of the installed Python's standard-library docstrings (`encoderstack.pretrain.stdlib_corpus`"
-        ", PSF licence)"
+        "the prose of the installed Python's standard-library docstrings "
+        "(`encoderstack.diagnostics.corpus.stdlib_corpus`, PSF licence)"
         if text.name == STDLIB
         else f"`{text.name}`"
     )
@@ -166,3 +177,68 @@ def describe(text: CorpusText, batch_size: int = BATCH_SIZE) -> str:
         f"({MLM_PROBABILITY:.0%}, BERT's 80/10/10), flattened into one row without padding. The measurements use "
         f"the first {len(text.batch['input_ids'])} masked evaluation sequences, padded into one batch."
     )
+
+
+# ---------------------------------------------------------------------------------------------------- the stdlib corpus
+
+SKIPPED_PARTS = {"test", "tests", "idle_test", "idlelib", "turtledemo", "lib2to3", "pydoc_data", "site-packages"}
+
+
+def stdlib_sources():
+    """The installed Python's standard-library source files, in a fixed order (modules sorted by name)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for name in sorted(sys.stdlib_module_names):
+        if name.startswith("_") or name in SKIPPED_PARTS or name in ("this", "antigravity"):
+            continue
+        if (root / f"{name}.py").is_file():
+            yield root / f"{name}.py"
+        elif (root / name / "__init__.py").is_file():
+            yield from sorted(
+                p for p in (root / name).rglob("*.py") if not SKIPPED_PARTS & set(p.relative_to(root).parts)
+            )
+
+
+def docstrings(path: Path):
+    with warnings.catch_warnings():  # old escape sequences in a few stdlib files
+        warnings.simplefilter("ignore")
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            return
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            text = ast.get_docstring(node, clean=True)  # what inspect.getdoc gives for the live object
+            if text:
+                yield text
+
+
+def prose(docstring: str) -> str:
+    """A docstring's paragraphs of running text, one a line: no code, no doctests, no tables or argument lists."""
+    paragraphs = []
+    for block in docstring.split("\n\n"):
+        lines = block.splitlines()
+        if any(line.startswith((" ", ">>>", "...", "-", "*", "|", "=")) for line in lines):
+            continue
+        text = " ".join(line.strip() for line in lines)
+        if len(text.split()) >= 6 and sum(c.isalpha() for c in text) > 0.7 * len(text.replace(" ", "")):
+            paragraphs.append(text)
+    return "\n".join(paragraphs)
+
+
+def stdlib_corpus(path, max_bytes: int = 500_000) -> Path:
+    """Write a real English corpus nobody on this project wrote: the prose of the installed Python's standard-library
+    docstrings (PSF licence), one docstring a document, one paragraph a line, whole documents up to `max_bytes`.
+    The same Python gives the same bytes every time."""
+    path, written, seen = Path(path), 0, set()
+    with path.open("w", encoding="utf-8") as out:
+        for source in stdlib_sources():
+            for text in map(prose, docstrings(source)):
+                size = len(text.encode()) + 2
+                if not text or text in seen:
+                    continue
+                if written + size > max_bytes:
+                    return path
+                seen.add(text)
+                out.write(text + "\n\n")
+                written += size
+    return path
