@@ -783,8 +783,10 @@ def plot(history, before, path) -> None:
 
 
 def __getattr__(name):
-    if name == "stdlib_corpus":  # moved to its one user, diagnostics.corpus; the old name stays for one release
-        from .diagnostics.corpus import stdlib_corpus
+    if (
+        name == "stdlib_corpus"
+    ):  # moved beside the data (diagnostics.corpus uses it); the old name stays for one release
+        from .data.stdlib import stdlib_corpus
 
         return stdlib_corpus
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,12 +2,9 @@
 documents read into `datasets`, a WordPiece tokenizer trained on them, sequences cut to `MAX_LENGTH`, each masked on
 its own and flattened into one row, a fresh model built from config fields, its Trainer settings."""
 
-import ast
 import copy
 import sys
-import sysconfig
 import tempfile
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +14,7 @@ import torch
 import transformers
 
 from ..checkpoint import sha256
+from ..data.stdlib import stdlib_corpus
 from ..pretrain import (
     EVAL_MASK_SEED,
     PretrainTrainingArguments,
@@ -177,68 +175,3 @@ def describe(text: CorpusText, batch_size: int = BATCH_SIZE) -> str:
         f"({MLM_PROBABILITY:.0%}, BERT's 80/10/10), flattened into one row without padding. The measurements use "
         f"the first {len(text.batch['input_ids'])} masked evaluation sequences, padded into one batch."
     )
-
-
-# ---------------------------------------------------------------------------------------------------- the stdlib corpus
-
-SKIPPED_PARTS = {"test", "tests", "idle_test", "idlelib", "turtledemo", "lib2to3", "pydoc_data", "site-packages"}
-
-
-def stdlib_sources():
-    """The installed Python's standard-library source files, in a fixed order (modules sorted by name)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for name in sorted(sys.stdlib_module_names):
-        if name.startswith("_") or name in SKIPPED_PARTS or name in ("this", "antigravity"):
-            continue
-        if (root / f"{name}.py").is_file():
-            yield root / f"{name}.py"
-        elif (root / name / "__init__.py").is_file():
-            yield from sorted(
-                p for p in (root / name).rglob("*.py") if not SKIPPED_PARTS & set(p.relative_to(root).parts)
-            )
-
-
-def docstrings(path: Path):
-    with warnings.catch_warnings():  # old escape sequences in a few stdlib files
-        warnings.simplefilter("ignore")
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError):
-            return
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            text = ast.get_docstring(node, clean=True)  # what inspect.getdoc gives for the live object
-            if text:
-                yield text
-
-
-def prose(docstring: str) -> str:
-    """A docstring's paragraphs of running text, one a line: no code, no doctests, no tables or argument lists."""
-    paragraphs = []
-    for block in docstring.split("\n\n"):
-        lines = block.splitlines()
-        if any(line.startswith((" ", ">>>", "...", "-", "*", "|", "=")) for line in lines):
-            continue
-        text = " ".join(line.strip() for line in lines)
-        if len(text.split()) >= 6 and sum(c.isalpha() for c in text) > 0.7 * len(text.replace(" ", "")):
-            paragraphs.append(text)
-    return "\n".join(paragraphs)
-
-
-def stdlib_corpus(path, max_bytes: int = 500_000) -> Path:
-    """Write a real English corpus nobody on this project wrote: the prose of the installed Python's standard-library
-    docstrings (PSF licence), one docstring a document, one paragraph a line, whole documents up to `max_bytes`.
-    The same Python gives the same bytes every time."""
-    path, written, seen = Path(path), 0, set()
-    with path.open("w", encoding="utf-8") as out:
-        for source in stdlib_sources():
-            for text in map(prose, docstrings(source)):
-                size = len(text.encode()) + 2
-                if not text or text in seen:
-                    continue
-                if written + size > max_bytes:
-                    return path
-                seen.add(text)
-                out.write(text + "\n\n")
-                written += size
-    return path
