@@ -165,6 +165,17 @@ class PlanFacts:
     padded_tokens: int = 0  # batch x sequence length of the input
 
 
+def transformers_window(radius: int) -> int:
+    """The radius (keys seen on each side) as transformers' `sliding_window` kwarg, which counts the query too (flash's
+    window is inclusive; ModernBERT passes it so). The attention functions read it back with `window_radius`."""
+    return radius + 1
+
+
+def window_radius(sliding_window: int | None) -> int | None:
+    """transformers' `sliding_window` kwarg as the radius (see `transformers_window`)."""
+    return None if sliding_window is None else sliding_window - 1
+
+
 @dataclass(frozen=True)
 class ExecutionPlan:
     """How one forward runs, decided once (`decide_plan`) and obeyed by every layer.
@@ -204,7 +215,7 @@ class ExecutionPlan:
         """The attention function a layer of `layer_type` calls, and what it adds to the call: the radius as
         transformers' `sliding_window` kwarg, radius + 1 (flash's window is inclusive; ModernBERT passes it so)."""
         if self.runs_as(layer_type) == "sliding_attention":
-            return self.sliding, {"sliding_window": self.facts.sliding_window + 1}
+            return self.sliding, {"sliding_window": transformers_window(self.facts.sliding_window)}
         return self.attention, {}
 
 
@@ -373,7 +384,7 @@ def per_sequence_attention(
         kwargs.pop(name, None)
     bands = attention_mask
     if bands is None:
-        radius = None if sliding_window is None else sliding_window - 1  # transformers' kwarg: the radius + 1
+        radius = window_radius(sliding_window)
         bands = band_masks(sequence_lengths, radius, query.dtype, query.device)
     pieces = zip(*(x.split(sequence_lengths, dim=2) for x in (query, key, value)))
     contexts = [attention(module, q, k, v, band, **kwargs)[0] for (q, k, v), band in zip(pieces, bands) if q.shape[2]]
@@ -414,7 +425,7 @@ def varlen_attention(
     query, key, value = flash_layout(query, key, value)
     options = {"scale": scaling} if VARLEN_TAKES_SCALE else {}
     if sliding_window is not None:
-        options["window_size"] = (sliding_window - 1, sliding_window - 1)
+        options["window_size"] = (window_radius(sliding_window),) * 2
     context = varlen_attn(query, key, value, *(kwargs[name] for name in VARLEN_KWARGS), **options)
     return context.unsqueeze(0), None
 
@@ -425,7 +436,7 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
     state the forward returns to `_flash_attention_backward`, which replays the same dropout mask."""
     query, key, value = flash_layout(query, key, value)
     cu_seq_lens, longest = kw["cu_seq_lens_q"], kw["max_length_q"]
-    radius = -1 if sliding_window is None else sliding_window - 1  # -1: no window
+    radius = -1 if sliding_window is None else window_radius(sliding_window)  # -1: no window
     window = {"window_size_left": radius, "window_size_right": radius} if FLASH_TAKES_WINDOW else {}
     context = torch.ops.aten._flash_attention_forward(
         query, key, value, cu_seq_lens, cu_seq_lens, longest, longest, dropout, False, False, scale=scaling, **window
@@ -473,7 +484,7 @@ def banded_attention(module, query, key, value, attention_mask, scaling=None, dr
     within the radius of its first and last query (one batched matmul over all blocks, no loop), masked by
     `attention_mask`, the `band_layout` of this radius and row. No tokens x tokens tensor exists.
     `sliding_window` is transformers' kwarg (the radius + 1, as flash reads it)."""
-    radius, length = sliding_window - 1, query.shape[2]
+    radius, length = window_radius(sliding_window), query.shape[2]
     block, blocks, span, tail = band_blocks(radius, length)
 
     def key_windows(x):  # (batch, heads, seq, dim) -> (batch, heads, blocks, span, dim): each block's keys, a view
