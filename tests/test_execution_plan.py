@@ -536,22 +536,36 @@ class HostSyncs(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_padded_masked_lm_training_step_makes_two_host_syncs():
-    """One for the plan's lengths read together with the inputs' checks (the mask's values, the ids' ranges), one for
-    the labelled tokens of sparse prediction read together with the labels' range; none per layer or loss term."""
+def test_a_padded_masked_lm_training_step_makes_one_host_sync():
+    """The plan's one read: the inputs' checks (the mask's values, the ids' ranges), the padded rows' lengths, and the
+    labels (how many are labelled, for sparse prediction, and their range); none per layer or loss term."""
     model = build(encoderstack.EncoderStackForMaskedLM, num_hidden_layers=4).train()
     inputs = padded(sequences())
     labels = torch.where(torch.rand(inputs["input_ids"].shape) < 0.3, inputs["input_ids"], -100)
     with HostSyncs() as syncs:
         model(**inputs, labels=labels).loss.backward()
-    assert syncs.count == 2
+    assert syncs.count == 1
 
 
-def test_a_padded_classification_training_step_makes_two_host_syncs():
-    """The plan's lengths with the inputs' checks, and the class labels' range."""
-    model = build(encoderstack.EncoderStackForSequenceClassification, num_hidden_layers=4, num_labels=3).train()
+@pytest.mark.parametrize(
+    "model_class", [encoderstack.EncoderStackForSequenceClassification, encoderstack.EncoderStackForTokenClassification]
+)
+def test_a_padded_classification_training_step_makes_one_host_sync(model_class):
+    """The plan's one read, the class labels' range included."""
+    model = build(model_class, num_hidden_layers=4, num_labels=3).train()
     inputs = padded(sequences())
-    labels = torch.arange(inputs["input_ids"].shape[0]) % 3
+    shape = inputs["input_ids"].shape[:1] if model_class is encoderstack.EncoderStackForSequenceClassification else None
+    labels = torch.arange(shape[0]) % 3 if shape else torch.randint(0, 3, inputs["input_ids"].shape)
     with HostSyncs() as syncs:
         model(**inputs, labels=labels).loss.backward()
-    assert syncs.count == 2
+    assert syncs.count == 1
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_labels_read_with_the_plan_still_refuse_a_class_outside_the_vocabulary(sparse):
+    model = build(encoderstack.EncoderStackForMaskedLM, sparse_prediction=sparse).train()
+    inputs = padded(sequences())
+    labels = torch.full(inputs["input_ids"].shape, -100)
+    labels[0, 1] = model.config.vocab_size  # one past the last class, at a real token
+    with pytest.raises(ValueError, match=r"Class labels must lie in \[0, 98\].*from 99 to 99"):
+        model(**inputs, labels=labels)

@@ -459,7 +459,7 @@ def test_sliding_layers_add_no_host_sync_to_a_padded_masked_lm_training_step():
         with HostSyncs() as syncs:
             model(**inputs, labels=labels).loss.backward()
         counts.append(syncs.count)
-    assert counts[0] == counts[1] == 2  # the plan with the input checks, the labels (test_execution_plan.py)
+    assert counts[0] == counts[1] == 1  # the plan's one read (test_execution_plan.py)
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])

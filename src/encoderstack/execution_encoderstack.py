@@ -201,6 +201,7 @@ class ExecutionPlan:
     facts: PlanFacts
     packing: "PackedSequences | None" = None
     sliding: str | None = None
+    labels: tuple[int, int, int] | None = None  # the labels counted (not -100, at real tokens), lowest, highest
 
     @property
     def packed(self) -> bool:
@@ -508,10 +509,13 @@ AttentionInterface.register(FLASH_ATTENTION, flash_attention)
 AttentionInterface.register(BANDED_ATTENTION, banded_attention)
 
 
-def execution_plan(config: EncoderStackConfig, inputs: tuple, padding_free, kwargs, dtype, training) -> ExecutionPlan:
+def execution_plan(
+    config: EncoderStackConfig, inputs: tuple, padding_free, kwargs, dtype, training, labels=None
+) -> ExecutionPlan:
     """Checks the inputs (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds), then decides how a
     forward on them runs (`decide_plan`), with the packing it runs on, for a model of `config` whose weights are in
-    `dtype` (see `EncoderStackModel.execution_plan`).
+    `dtype` (see `EncoderStackModel.execution_plan`). Integer `labels` are counted and their range read in the same
+    host sync as the checks (`ExecutionPlan.labels`), so that the loss needs none of its own.
 
     Flattened rows (`position_ids` that restart inside a row, or `cu_seq_lens_q/k`: what
     `DataCollatorWithFlattening` gives) always get a packing, so that no sequence attends to its neighbours.
@@ -525,7 +529,7 @@ def execution_plan(config: EncoderStackConfig, inputs: tuple, padding_free, kwar
     # a padded batch's lengths are read in the input checks' one host sync (rows that turn out flattened
     # never use them)
     counted = real if padding_free and "cu_seq_lens_q" not in kwargs else None
-    lengths = check_inputs(config, *inputs, lengths_of=counted)
+    lengths, labels = check_inputs(config, *inputs, lengths_of=counted, labels=labels)
     shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:2])
     device = input_ids.device if input_ids is not None else inputs_embeds.device
     packing = flattened_rows(position_ids, real, shape, device, kwargs)
@@ -547,7 +551,7 @@ def execution_plan(config: EncoderStackConfig, inputs: tuple, padding_free, kwar
         )
     if plan.packed and packing is None:
         packing = PackedSequences.from_attention_mask(real, lengths)
-    return dataclasses.replace(plan, packing=packing)
+    return dataclasses.replace(plan, packing=packing, labels=labels)
 
 
 def plan_facts(
@@ -626,12 +630,26 @@ def check_sequence_length(config: EncoderStackConfig, longest: int) -> None:
         )
 
 
+def counted_range(labels: torch.Tensor, counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lowest and highest of the `counted` labels, as 0-d int64 tensors (no host sync)."""
+    limits = torch.iinfo(labels.dtype)
+    return labels.where(counted, limits.max).min().long(), labels.where(counted, limits.min).max().long()
+
+
 def check_inputs(
-    config: EncoderStackConfig, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, lengths_of=None
+    config: EncoderStackConfig,
+    input_ids,
+    attention_mask,
+    token_type_ids,
+    position_ids,
+    inputs_embeds,
+    lengths_of=None,
+    labels=None,
 ):
     """Turn the mistakes that would otherwise surface as an index error deep in a kernel into a clear message.
-    Given `lengths_of` (the padded batch's real tokens), also returns its row lengths, read in the same host sync
-    as the checked values (None when compiling: compiled code cannot branch on values)."""
+    Returns what else it read in the same host sync as the checked values (None when compiling: compiled code cannot
+    branch on values): the row lengths of `lengths_of` (the padded batch's real tokens), and of integer `labels` the
+    count of those that are not -100 (at real tokens, for per-token labels), their lowest and their highest."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
     hidden = config.embedding_size or config.hidden_size
@@ -666,7 +684,7 @@ def check_inputs(
             raise ValueError(f"`{name}` has shape {tuple(value.shape)}, but the inputs have shape {shape}.")
     limit, offset = config.max_position_embeddings, config.position_offset or 0
     if torch.compiler.is_compiling():
-        return None
+        return None, None
     ranges = [("input_ids", input_ids, 0, config.vocab_size)]
     if config.type_vocab_size:  # a model without token types ignores them, as its families' classes do
         ranges.append(("token_type_ids", token_type_ids, 0, config.type_vocab_size))
@@ -679,13 +697,22 @@ def check_inputs(
     if mask is not None:  # its values other than 0 and 1, counted, and read in the same sync as the ranges
         not_binary = ((mask != 0) & (mask != 1)).sum()
         bounds.append(torch.stack((not_binary, torch.zeros_like(not_binary))))
+    read_labels = labels is not None and labels.numel() and not (labels.is_floating_point() or labels.is_complex())
+    read_labels = read_labels and labels.dtype != torch.bool
+    if read_labels:
+        counted = labels != -100
+        if mask is not None and tuple(labels.shape) == tuple(mask.shape):  # padding's labels count for nothing
+            counted &= mask.to(labels.device).bool()
+        bounds.append(torch.stack((counted.sum(), *counted_range(labels, counted))))
     if lengths_of is not None:
         bounds.append(lengths_of.sum(-1))
     if not bounds:
-        return None
+        return None, None
     device = bounds[0].device
     values = torch.cat([b.to(device, torch.long) for b in bounds]).tolist()  # one host sync for all of them
-    read = [values[i : i + 2] for i in range(0, 2 * len(ranges) + 2 * (mask is not None), 2)]
+    checked = 2 * len(ranges) + 2 * (mask is not None)
+    read = [values[i : i + 2] for i in range(0, checked, 2)]
+    label_read = tuple(values[checked : checked + 3]) if read_labels else None
     lengths = values[len(values) - lengths_of.shape[0] :] if lengths_of is not None else None
     if mask is not None and read[-1][0]:
         raise ValueError(
@@ -695,4 +722,4 @@ def check_inputs(
     for (name, _, first, size), (low, high) in zip(ranges, read):
         if low < first or high >= size:
             raise ValueError(f"`{name}` must lie in [{first}, {size - 1}], got values from {low} to {high}.")
-    return lengths
+    return lengths, label_read

@@ -48,6 +48,7 @@ from .execution_encoderstack import (
     ExecutionPlan,
     PackedSequences,
     attention_masks,
+    counted_range,
     eager_attention_forward,
     execution_plan,
 )
@@ -587,13 +588,15 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         position_ids=None,
         inputs_embeds=None,
         padding_free=None,
+        labels=None,
         **kwargs,
     ) -> ExecutionPlan:
         """How a forward on these inputs runs, with the packing it runs on (`execution_encoderstack.execution_plan`
-        checks the inputs and decides): what `forward` does first, and the way to ask from Python which plan given
-        inputs get. Logged at debug level, under this module's logger."""
+        checks the inputs and decides; a task head passes its `labels`, read in the same host sync): what `forward`
+        does first, and the way to ask from Python which plan given inputs get. Logged at debug level, under this
+        module's logger."""
         inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
-        plan = execution_plan(self.config, inputs, padding_free, kwargs, self.dtype, self.training)
+        plan = execution_plan(self.config, inputs, padding_free, kwargs, self.dtype, self.training, labels)
         if not torch.compiler.is_compiling():  # a logging call would break the compiled graph
             logger.debug("EncoderStack execution plan: %s through %s: %s", plan.kind, plan.attention, plan.reason)
         return plan
@@ -699,6 +702,12 @@ class Encoded:
     outputs: BaseModelOutputWithPooling
     packing: PackedSequences | None
     real: torch.Tensor | None  # (batch, seq) bool; None when every token is real
+    labels: tuple[int, int, int] | None = None  # read with the plan: labels counted, lowest, highest
+
+    @property
+    def label_range(self) -> tuple[int, int] | None:
+        """The counted labels' lowest and highest, for `cross_entropy`'s check; None where none were read or counted."""
+        return None if self.labels is None or not self.labels[0] else self.labels[1:]
 
     def per_token(self, head, labels=None, num_items_in_batch=None, sparse=False):
         """A token-level head's logits and, given `labels`, their cross-entropy. Padding-free, both run on the real
@@ -715,7 +724,9 @@ class Encoded:
         elif labels is not None and self.real is not None:
             labels = labels.masked_fill(~self.real.to(labels.device), -100)
         logits = head(hidden_states)
-        loss = cross_entropy(logits, labels, num_items_in_batch) if labels is not None else None
+        loss = None
+        if labels is not None:
+            loss = cross_entropy(logits, labels, num_items_in_batch, known_range=self.label_range)
         return (self.packing.unpack(logits) if gathered else logits), loss
 
     def labelled_only(self, head, labels, num_items_in_batch):
@@ -728,9 +739,10 @@ class Encoded:
         counts = labels != -100
         if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
             raise TypeError(f"Class labels must be integers, got {labels.dtype}.")
-        # one host sync: the number of labelled tokens, with their range for `cross_entropy`'s check
-        known = labels.where(counts, 0)
-        count, low, high = torch.stack((counts.sum(), known.min(), known.max())).tolist()
+        if self.labels is not None:  # read with the plan
+            count, low, high = self.labels
+        else:  # one host sync: the number of labelled tokens, with their range for `cross_entropy`'s check
+            count, low, high = torch.stack((counts.sum(), *counted_range(labels, counts))).tolist()
         labelled = counts.nonzero_static(size=count).squeeze(-1)
         logits = head(hidden_states.reshape(-1, hidden_states.shape[-1]).index_select(0, labelled))
         loss = cross_entropy(logits, labels.index_select(0, labelled), num_items_in_batch, known_range=(low, high))
@@ -763,15 +775,24 @@ class EncoderStackHead(EncoderStackPreTrainedModel):
         self.model = EncoderStackModel(config, add_pooling_layer=self.uses_pooler and self.first_token_act is None)
 
     def encode(
-        self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, padding_free=None, **kwargs
+        self,
+        input_ids,
+        attention_mask,
+        token_type_ids,
+        position_ids,
+        inputs_embeds,
+        padding_free=None,
+        labels=None,
+        **kwargs,
     ) -> Encoded:
-        """The encoder's outputs, and the packing it ran on for the token-level heads (planned once, here)."""
+        """The encoder's outputs, and the packing it ran on for the token-level heads (planned once, here, together
+        with a first read of the class `labels`)."""
         kwargs.pop("num_items_in_batch", None)
         inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
-        plan = self.model.execution_plan(*inputs, padding_free=padding_free, **kwargs)
+        plan = self.model.execution_plan(*inputs, padding_free=padding_free, labels=labels, **kwargs)
         outputs = self.model(*inputs, plan=plan, return_dict=True, **kwargs)
         real = attention_mask.bool() if attention_mask is not None and attention_mask.dim() == 2 else None
-        return Encoded(outputs, plan.packing, real)
+        return Encoded(outputs, plan.packing, real, plan.labels)
 
     @can_return_tuple
     def forward(
@@ -784,7 +805,8 @@ class EncoderStackHead(EncoderStackPreTrainedModel):
         labels: torch.Tensor | None = None,
         **kwargs: Unpack[EncoderStackKwargs],
     ) -> ModelOutput:
-        encoded = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
+        inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        encoded = self.encode(*inputs, labels=labels, **kwargs)
         return self.predict(encoded, labels, kwargs.get("num_items_in_batch"))
 
 
@@ -895,8 +917,9 @@ class EncoderStackForPreTraining(EncoderStackHead):
         next_sentence_label: torch.Tensor | None = None,
         **kwargs: Unpack[EncoderStackKwargs],
     ) -> EncoderStackForPreTrainingOutput:
-        encoded = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, **kwargs)
         mlm_labels = labels if next_sentence_label is not None else None
+        inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        encoded = self.encode(*inputs, labels=mlm_labels, **kwargs)
         sparse = self.training and self.config.sparse_prediction
         prediction_logits, loss = encoded.per_token(self.lm_head, mlm_labels, sparse=sparse)
         seq_relationship_logits = self.next_sentence(encoded.outputs.pooler_output)
@@ -919,10 +942,10 @@ class EncoderStackForSequenceClassification(EncoderStackClassifierHead):
 
     def predict(self, encoded: Encoded, labels, num_items) -> SequenceClassifierOutput:
         logits = self.sequence_logits(encoded)
-        loss = self.sequence_loss(logits, labels, num_items) if labels is not None else None
+        loss = self.sequence_loss(logits, labels, num_items, encoded.label_range) if labels is not None else None
         return SequenceClassifierOutput(loss=loss, logits=logits, **encoded.recorded)
 
-    def sequence_loss(self, logits, labels, num_items):
+    def sequence_loss(self, logits, labels, num_items, known_range=None):
         if self.config.problem_type is None:
             if self.config.num_labels == 1:
                 self.config.problem_type = "regression"
@@ -933,7 +956,7 @@ class EncoderStackForSequenceClassification(EncoderStackClassifierHead):
         labels = labels.to(logits.device)
         if self.config.problem_type == "single_label_classification":
             check_shape("labels", labels.reshape(-1), logits.shape[:1], "the sequences")
-            return cross_entropy(logits, labels, num_items)
+            return cross_entropy(logits, labels, num_items, known_range=known_range)
         if self.config.problem_type == "regression":
             check_shape("labels", labels.reshape(-1), (logits.numel(),), "the sequences' regression targets")
             errors = (logits.float().reshape(labels.shape) - labels.float()) ** 2
@@ -1019,7 +1042,7 @@ class EncoderStackForMultipleChoice(EncoderStackClassifierHead):
             None if x is None else x.flatten(0, 1)
             for x in (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         ]
-        encoded = self.encode(*flat, **kwargs)
+        encoded = self.encode(*flat, labels=labels, **kwargs)
         if encoded.packing is not None and encoded.packing.flattened:
             raise ValueError(
                 "Multiple choice scores whole rows: flattened sequences (`position_ids` that restart, or "
@@ -1028,7 +1051,7 @@ class EncoderStackForMultipleChoice(EncoderStackClassifierHead):
         logits = self.sequence_logits(encoded).view(-1, num_choices)
         if labels is not None:
             check_shape("labels", labels, (batch_size,), "the questions")
-        loss = cross_entropy(logits, labels, num_items) if labels is not None else None
+        loss = cross_entropy(logits, labels, num_items, known_range=encoded.label_range) if labels is not None else None
         return MultipleChoiceModelOutput(loss=loss, logits=logits, **encoded.recorded)
 
 
