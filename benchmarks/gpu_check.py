@@ -185,15 +185,16 @@ def dropout(args):
     """Attention dropout, like with like. (a) One call of the flash path's attention function: the backward's dV must
     satisfy <dO, O> = <dV, V>, which only the forward's own mask gives. (b) A model in training mode (bf16, dropout
     0.1 on attention only): the mean output over 32 draws against the dropout-free output, packed and padded."""
-    rows, passed = [], True
-    module = SimpleNamespace(training=True)
+    rows = []
+    module = SimpleNamespace(training=True, is_causal=False, config=SimpleNamespace(_attn_implementation="sdpa"))
     generator = torch.Generator(device=args.device).manual_seed(0)
     lengths = [5, 9, 1, 7, 3] if args.smoke else [64, 512, 200, 37, 300]
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=args.device)
     shape = (1, 4, sum(lengths), 64)
     q, k, v = (torch.randn(shape, device=args.device, generator=generator, dtype=torch.bfloat16) for _ in range(3))
     v.requires_grad_()
-    attention = execution.flash_attention if args.device == "cuda" else cpu_dropout_attention
+    # --smoke on CPU, where no flash kernel runs: SDPA one sequence at a time (its backward replays its own mask)
+    attention = execution.flash_attention if args.device == "cuda" else execution.per_sequence_attention
     out, _ = attention(module, q, k, v, None, scaling=0.125, dropout=0.1, cu_seq_lens_q=cu, max_length_q=max(lengths))
     grad = torch.randn(out.shape, device=args.device, generator=generator, dtype=torch.bfloat16)
     (dv,) = torch.autograd.grad(out, v, grad)
@@ -218,19 +219,7 @@ def dropout(args):
     rows[1].append("ok" if close else "FAILED")
     rows[2].append("reference")
     common.print_table(rows, ["check", "value", "result"])
-    return passed and replay <= 1e-2 and close
-
-
-def cpu_dropout_attention(module, query, key, value, attention_mask, scaling, dropout, cu_seq_lens_q, **_):
-    """--smoke on CPU, where no flash kernel runs: SDPA with dropout per sequence (its backward replays its mask)."""
-    bounds = cu_seq_lens_q.tolist()
-    pieces = [
-        torch.nn.functional.scaled_dot_product_attention(
-            *(x[:, :, a:b] for x in (query, key, value)), dropout_p=dropout, scale=scaling
-        )
-        for a, b in zip(bounds, bounds[1:])
-    ]
-    return torch.cat(pieces, dim=2).transpose(1, 2), None
+    return replay <= 1e-2 and close
 
 
 def syncs(args):

@@ -630,6 +630,11 @@ def check_sequence_length(config: EncoderStackConfig, longest: int) -> None:
         )
 
 
+def holds_integers(x: torch.Tensor) -> bool:
+    """Whether `x` holds integer ids or class labels (not floats, complex numbers or booleans)."""
+    return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+
+
 def counted_range(labels: torch.Tensor, counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The lowest and highest of the `counted` labels, as 0-d int64 tensors (no host sync)."""
     limits = torch.iinfo(labels.dtype)
@@ -662,7 +667,7 @@ def check_inputs(
     if len(shape) != 2 or 0 in shape:
         raise ValueError(f"Expected inputs of shape (batch, sequence), neither of them 0, got {shape}.")
     for name, ids in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("position_ids", position_ids)):
-        if ids is not None and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+        if ids is not None and not holds_integers(ids):
             raise TypeError(f"`{name}` must hold integer ids, got {ids.dtype}.")
     for name, value in (
         ("attention_mask", attention_mask),
@@ -697,8 +702,7 @@ def check_inputs(
     if mask is not None:  # its values other than 0 and 1, counted, and read in the same sync as the ranges
         not_binary = ((mask != 0) & (mask != 1)).sum()
         bounds.append(torch.stack((not_binary, torch.zeros_like(not_binary))))
-    read_labels = labels is not None and labels.numel() and not (labels.is_floating_point() or labels.is_complex())
-    read_labels = read_labels and labels.dtype != torch.bool
+    read_labels = labels is not None and labels.numel() > 0 and holds_integers(labels)
     if read_labels:
         counted = labels != -100
         if mask is not None and tuple(labels.shape) == tuple(mask.shape):  # padding's labels count for nothing

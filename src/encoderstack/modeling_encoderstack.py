@@ -51,6 +51,7 @@ from .execution_encoderstack import (
     counted_range,
     eager_attention_forward,
     execution_plan,
+    holds_integers,
 )
 
 logger = logging.get_logger(__name__)
@@ -624,7 +625,7 @@ def mean_loss(per_item: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
 def cross_entropy(logits, labels, num_items_in_batch=None, ignore_index=-100, known_range=None):
     """Mean cross-entropy over the labels that are not `ignore_index`, after checking their range: one host sync, or
     none where the caller read the counted labels' `known_range` (lowest, highest) already."""
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+    if not holds_integers(labels):
         raise TypeError(f"Class labels must be integers, got {labels.dtype}.")
     labels = labels.to(logits.device).reshape(-1)
     classes = logits.shape[-1]
@@ -737,7 +738,7 @@ class Encoded:
             labels = labels.masked_fill(~self.real.to(labels.device), -100)
         labels = labels.reshape(-1)
         counts = labels != -100
-        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        if not holds_integers(labels):
             raise TypeError(f"Class labels must be integers, got {labels.dtype}.")
         if self.labels is not None:  # read with the plan
             count, low, high = self.labels
