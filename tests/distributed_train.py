@@ -1,9 +1,11 @@
 """Helper for test_distributed.py (not a test): a few Trainer steps, then every rank saves the weights it ends with.
 
 Usage: python distributed_train.py MODEL_DIR OUT_DIR PER_DEVICE_BATCH [fsdp]  (plain, or under torchrun)
-Rank 0 also saves the weights it starts from (initial.safetensors); every rank prints its training loss.
+Rank 0 also saves the weights it starts from (initial.safetensors); every rank writes its training loss to
+loss{rank}.json (a file each: the ranks share one stdout, and their lines interleave mid-line).
 """
 
+import json
 import os
 import sys
 
@@ -47,7 +49,8 @@ args = TrainingArguments(
     **fsdp,
 )
 result = Trainer(model=model, args=args, train_dataset=rows).train()
-print(f"rank {rank} trained, loss {result.training_loss:.8f}")
+with open(os.path.join(out_dir, f"loss{rank}.json"), "w") as file:
+    json.dump(result.training_loss, file)
 if fsdp:  # the weights are sharded across the ranks: the losses tell what they trained
     sys.exit(0)
 save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(out_dir, f"rank{rank}.safetensors"))

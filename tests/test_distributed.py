@@ -15,6 +15,7 @@ from conftest import tiny_model_folder
 from safetensors.torch import load_file
 
 HERE = Path(__file__).parent
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +37,9 @@ def launch(command, tmp_path):
     return result.stdout
 
 
-def training_losses(stdout) -> dict[int, float]:
-    """rank -> the training loss it printed"""
-    return {int(line.split()[1]): float(line.split()[-1]) for line in stdout.splitlines() if " trained, loss " in line}
+def training_losses(folder) -> dict[int, float]:
+    """rank -> the training loss it wrote"""
+    return {int(path.stem.removeprefix("loss")): json.loads(path.read_text()) for path in folder.glob("loss*.json")}
 
 
 def assert_same_weights(actual, expected):
@@ -52,21 +53,7 @@ def test_two_torchrun_ranks_end_with_identical_weights_equal_to_one_process(tiny
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
     launch([sys.executable, script, str(tiny), str(tmp_path / "one"), "8"], tmp_path)
-    launch(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            script,
-            str(tiny),
-            str(tmp_path / "two"),
-            "4",
-        ],
-        tmp_path,
-    )
+    launch([*TORCHRUN, script, str(tiny), str(tmp_path / "two"), "4"], tmp_path)
     single = load_file(tmp_path / "one" / "rank0.safetensors")
     rank0, rank1 = (load_file(tmp_path / "two" / f"rank{r}.safetensors") for r in (0, 1))
     for key in rank0:
@@ -83,25 +70,9 @@ def test_fsdp_full_shard_trains_each_rank_on_its_half_of_the_global_batch_of_one
     and the two averaged, equal one process's mean over the same global batches (same updates, every step)."""
     script = str(HERE / "distributed_train.py")
     (tmp_path / "one").mkdir()
-    single = training_losses(launch([sys.executable, script, str(tiny), str(tmp_path / "one"), "8"], tmp_path))
-    sharded = training_losses(
-        launch(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node",
-                "2",
-                script,
-                str(tiny),
-                str(tmp_path),
-                "4",
-                "fsdp",
-            ],
-            tmp_path,
-        )
-    )
+    launch([sys.executable, script, str(tiny), str(tmp_path / "one"), "8"], tmp_path)
+    launch([*TORCHRUN, script, str(tiny), str(tmp_path), "4", "fsdp"], tmp_path)
+    single, sharded = training_losses(tmp_path / "one"), training_losses(tmp_path)
     assert sorted(sharded) == [0, 1] and sharded[0] != sharded[1]  # each rank saw its own rows
     assert (sharded[0] + sharded[1]) / 2 == pytest.approx(single[0], abs=1e-6)
 
@@ -167,12 +138,7 @@ def test_the_pretrain_command_under_torchrun_trains_on_two_ranks_and_writes_one_
     config = "hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64,max_position_embeddings=64"
     launch(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
+            *TORCHRUN,
             "-m",
             "encoderstack",
             "pretrain",
