@@ -93,7 +93,9 @@ def test_continued_pretraining_of_a_converted_family_model_lowers_its_eval_loss_
     assert record["eval_loss_after"] < record["eval_loss_before"]
     config = encoderstack.EncoderStackConfig.from_pretrained(tmp_path / "out")
     assert config.position_offset == PAD + 1 and config.head_layout == "roberta"
-    assert f"- {family}\n" in (tmp_path / "out" / "README.md").read_text()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"- {family}\n" in card
+    assert ("learned relative-position bias in every layer's scores (32 buckets" in card) == (family == "mpnet")
 
 
 def test_a_converted_mpnet_switched_to_pre_ln_trains_with_its_relative_bias(masked_lm, tmp_path):
