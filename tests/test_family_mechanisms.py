@@ -260,3 +260,14 @@ def test_a_backend_that_takes_no_score_term_is_refused_by_name_rather_than_dropp
     model.config._attn_implementation = backend  # flash cannot even be selected without its package
     with pytest.raises(ValueError, match=f"the {backend} backend cannot take: use one of eager, sdpa"):
         model(input_ids=torch.full((1, 5), 7))
+
+
+def test_padding_between_real_tokens_is_refused_with_a_relative_term_whose_distances_it_would_blur():
+    """The padded path would count the gap, the packed path would not: rather than two answers, one error."""
+    model = relative_bias_model()
+    ids = torch.full((2, 6), 7)
+    gapped = torch.tensor([[1, 1, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"`attention_mask` has 1 row\(s\) with padding between real tokens"):
+        model(input_ids=ids, attention_mask=gapped)
+    model(input_ids=ids, attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]]))  # either side: fine
+    build(encoderstack.EncoderStackModel)(input_ids=ids, attention_mask=gapped)  # without the term: as before

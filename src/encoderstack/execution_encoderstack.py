@@ -733,7 +733,10 @@ def check_inputs(
     mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
     if mask is not None:  # its values other than 0 and 1, counted, and read in the same sync as the ranges
         not_binary = ((mask != 0) & (mask != 1)).sum()
-        bounds.append(torch.stack((not_binary, torch.zeros_like(not_binary))))
+        # with a relative-position term: rows whose real tokens do not stand side by side (padding between them)
+        runs = ((mask[:, 1:] != 0) & (mask[:, :-1] == 0)).sum(-1) + (mask[:, 0] != 0)
+        gapped = (runs > 1).sum() if config.relative_attention is not None else torch.zeros_like(not_binary)
+        bounds.append(torch.stack((not_binary, gapped)))
     read_labels = labels is not None and labels.numel() > 0 and holds_integers(labels)
     if read_labels:
         counted = labels != -100
@@ -754,6 +757,11 @@ def check_inputs(
         raise ValueError(
             f"`attention_mask` must hold 1 for real tokens and 0 for padding, got values "
             f"{sorted(set(mask.unique().tolist()))}."
+        )
+    if mask is not None and read[-1][1]:
+        raise ValueError(
+            f"`attention_mask` has {read[-1][1]} row(s) with padding between real tokens: relative_attention="
+            f"{config.relative_attention!r} counts distances within a sequence, so pad on one side only (or flatten)."
         )
     for (name, _, first, size), (low, high) in zip(ranges, read):
         if low < first or high >= size:
