@@ -1,6 +1,7 @@
 """The BERT family converts with parity: the conversion matrix (family x head x backend x padding side) against each
 family's own transformers class, built tiny and random (no download): RoBERTa, XLM-R, CamemBERT, the pre-LN RoBERTas,
-ELECTRA (narrower embeddings, its discriminator and generator) and DistilBERT."""
+ELECTRA (narrower embeddings, its discriminator and generator), DistilBERT and MPNet (a relative-position bias in
+every layer's scores)."""
 
 import json
 import re
@@ -27,9 +28,18 @@ def suffixes(family: str) -> tuple:
     )
 
 
-TESTED_HERE = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "xlm-roberta-xl", "electra", "distilbert")
+TESTED_HERE = (
+    "roberta",
+    "xlm-roberta",
+    "camembert",
+    "roberta-prelayernorm",
+    "xlm-roberta-xl",
+    "electra",
+    "distilbert",
+    "mpnet",
+)
 FAMILIES = {name: REGISTRY[name].architecture_prefix for name in TESTED_HERE}  # model_type -> its classes' prefix
-OFFSET_FAMILIES = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "xlm-roberta-xl")
+OFFSET_FAMILIES = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "xlm-roberta-xl", "mpnet")
 SUFFIXES = (
     "Model",
     "ForMaskedLM",
@@ -226,7 +236,7 @@ def test_question_answering_loss_without_padding_equals_the_familys(converted, f
 
 
 @pytest.mark.parametrize("suffix", ["Model", "ForTokenClassification", "ForMaskedLM"])
-@pytest.mark.parametrize("family", ["roberta", "xlm-roberta-xl"])
+@pytest.mark.parametrize("family", ["roberta", "xlm-roberta-xl", "mpnet"])
 def test_flattened_rows_give_each_sequence_what_the_familys_class_gives_it_alone(converted, family, suffix):
     reference, ours = converted(family, suffix)
     ids = torch.randint(PAD + 1, 99, (1, 12), generator=torch.Generator().manual_seed(7))
@@ -298,7 +308,7 @@ def test_a_roberta_config_without_a_pad_token_id_is_refused_by_name(tmp_path):
     [
         ("albert", "ALBERT shares one set of layer weights"),
         ("deberta-v2", "disentangled attention"),
-        ("mpnet", "relative position bias"),
+        ("funnel", "pools the sequence between blocks"),
         ("gpt2", "is not a BERT-family checkpoint"),
     ],
 )

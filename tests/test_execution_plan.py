@@ -24,7 +24,7 @@ from encoderstack.execution_encoderstack import (
 
 BF16, FP32, FP16 = torch.bfloat16, torch.float32, torch.float16
 CPU, H100, A100, T4 = ("cpu", None), ("cuda", (9, 0)), ("cuda", (8, 0)), ("cuda", (7, 5))
-FLASH = "encoderstack_flash"
+FLASH, PER_SEQUENCE = "encoderstack_flash", "encoderstack_per_sequence"
 
 
 def facts(device=CPU, dtype=FP32, inputs="padded", backend="sdpa", **overrides):
@@ -151,6 +151,50 @@ def test_a_block_diagonal_mask_is_planned_only_for_flattened_rows_that_cannot_pa
         assert (plan.kind == "block_diagonal") == expected, plan.facts
         if expected:
             assert ("dense (tokens x tokens)" in plan.reason) == (backend != "flex_attention"), plan.reason
+
+
+# A relative-position score term (MPNet's bias): no flash kernel takes it, so where one would run, the plan runs a
+# path that takes a mask (padded on a GPU, one sequence at a time for flattened rows) and says why.
+RELATIVE_PLAN_TABLE = [
+    ((H100, BF16, "padded", {}), ("padded", "sdpa")),
+    ((H100, FP16, "flattened", {}), ("per_sequence", "encoderstack_per_sequence")),
+    ((H100, BF16, "padded", {"attention_dropout": True}), ("padded", "sdpa")),
+    ((H100, BF16, "flattened", {"attention_dropout": True, "varlen_kernel": False}), ("per_sequence", PER_SEQUENCE)),
+    ((A100, BF16, "padded", {"backend": "eager"}), ("padded", "eager")),
+    ((H100, BF16, "whole", {}), ("padded", "sdpa")),
+    ((H100, BF16, "flattened", {"padding_free": False}), ("block_diagonal", "sdpa")),
+    ((CPU, FP32, "padded", {}), ("per_sequence", PER_SEQUENCE)),
+    ((CPU, FP32, "flattened", {}), ("per_sequence", PER_SEQUENCE)),
+]
+
+
+@pytest.mark.parametrize(("cell", "expected"), RELATIVE_PLAN_TABLE, ids=[cell_id(c) for c, _ in RELATIVE_PLAN_TABLE])
+def test_a_relative_position_term_is_planned_only_onto_paths_that_take_it_and_the_reason_says_so(cell, expected):
+    device, dtype, inputs, other = cell
+    without = decide_plan(facts(device, dtype, inputs, **other))
+    plan = decide_plan(facts(device, dtype, inputs, relative_attention="bias", **other))
+    assert (plan.kind, plan.attention) == expected, plan.reason
+    if (plan.kind, plan.attention) != (without.kind, without.attention):
+        assert "relative-position scores (bias)" in plan.reason, plan.reason
+
+
+def test_no_cell_plans_a_flash_kernel_for_a_relative_position_term():
+    grid = itertools.product(
+        (CPU, H100, A100, T4), (FP32, BF16, FP16), INPUT_KINDS, ("sdpa", "eager"), *[(False, True)] * 3
+    )
+    for device, dtype, inputs, backend, padding_free, dropout, varlen in grid:
+        cell = facts(
+            device, dtype, inputs, backend, padding_free=padding_free, attention_dropout=dropout,
+            varlen_kernel=varlen, relative_attention="bias",
+        )  # fmt: skip
+        plan = decide_plan(cell)
+        assert plan.kind != "varlen" and plan.attention in (backend, PER_SEQUENCE), cell
+
+
+@pytest.mark.parametrize("backend", ["flash_attention_2", "flex_attention"])
+def test_a_relative_position_term_on_a_backend_without_a_score_term_is_refused_by_name(backend):
+    with pytest.raises(ValueError, match=f"relative_attention='bias'.*the {backend} backend cannot take"):
+        decide_plan(facts(H100, BF16, "padded", backend, relative_attention="bias"))
 
 
 @pytest.fixture

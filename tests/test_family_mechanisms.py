@@ -153,3 +153,121 @@ def test_the_replaced_token_detector_scores_every_token_and_its_loss_counts_real
     torch.testing.assert_close(out.loss, expected)
     padded = model(**inputs, labels=labels, padding_free=False)
     torch.testing.assert_close(padded.logits[real], out.logits[real], atol=1e-5, rtol=0)
+
+
+MPNET_LIKE = {"position_offset": 2, "pad_token_id": 1, "type_vocab_size": 0, "relative_attention": "bias"}
+
+
+@pytest.mark.parametrize(("num_buckets", "max_distance"), [(32, 128), (16, 64), (10, 20)])
+def test_relative_position_buckets_equal_mpnets_at_every_distance_through_the_max_distance_edge(
+    num_buckets, max_distance
+):
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
+    from encoderstack.modeling_encoderstack import relative_position_bucket
+
+    distance = torch.arange(-3 * max_distance, 3 * max_distance + 1)[None, :]
+    expected = MPNetEncoder.relative_position_bucket(distance, num_buckets=num_buckets, max_distance=max_distance)
+    assert torch.equal(relative_position_bucket(distance, num_buckets, max_distance), expected)
+    # every bucket is reached (but `num_buckets // 2`, distance 0 after the query), so the range spans both edges
+    assert expected.unique().numel() == num_buckets - 1
+
+
+def relative_bias_model():
+    """An MPNet-like model whose relative-position bias is large enough to dominate the scores."""
+    model = build(encoderstack.EncoderStackModel, **MPNET_LIKE)
+    with torch.no_grad():
+        model.relative_attention.bias.weight.normal_(0, 2.0)
+    return model
+
+
+def each_alone(model, seqs):
+    with torch.no_grad():
+        return torch.cat([model(input_ids=s[None]).last_hidden_state[0] for s in seqs])
+
+
+RELATIVE_LENGTHS = (40, 9, 23, 3)  # distances past the exact buckets into the logarithmic ones
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("padding_free", [True, False])
+@pytest.mark.parametrize("layout", ["right", "left", "flattened"])
+def test_the_relative_bias_reaches_every_path_from_each_sequences_own_distances(backend, padding_free, layout):
+    """Each sequence gets what it gets alone, whether it is padded on either side (its distances, not the row's
+    padding, decide its bias), packed with the others, or flattened into one row (per sequence, or under a
+    block-diagonal mask); and the bias matters: without it the outputs differ."""
+    model = relative_bias_model()
+    model.set_attn_implementation(backend)
+    generator = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(2, 99, (n,), generator=generator) for n in RELATIVE_LENGTHS]
+    expected = each_alone(model, seqs)
+    if layout == "flattened":
+        inputs = {
+            "input_ids": torch.cat(seqs)[None],
+            "position_ids": torch.cat([torch.arange(n) for n in RELATIVE_LENGTHS])[None] + 2,
+        }
+        real_tokens = torch.ones(1, sum(RELATIVE_LENGTHS), dtype=torch.bool)
+    else:
+        width = max(RELATIVE_LENGTHS)
+        real_tokens = torch.arange(width) < torch.tensor(RELATIVE_LENGTHS)[:, None]
+        if layout == "left":
+            real_tokens = real_tokens.flip(-1)
+        ids = torch.ones(len(seqs), width, dtype=torch.long)
+        ids[real_tokens] = torch.cat(seqs)
+        inputs = {"input_ids": ids, "attention_mask": real_tokens.long()}
+    with torch.no_grad():
+        plan = model.execution_plan(**inputs, padding_free=padding_free)
+        got = model(**inputs, padding_free=padding_free).last_hidden_state[real_tokens]
+    assert (
+        plan.kind
+        == {True: "per_sequence", False: "block_diagonal" if layout == "flattened" else "padded"}[padding_free]
+    )
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        model.relative_attention.bias.weight.zero_()
+    assert not torch.allclose(each_alone(model, seqs), expected, atol=1e-2)
+
+
+def test_recorded_attention_maps_hold_the_relative_bias():
+    """The eager maps of a padded batch are the softmax of scores plus the bias, per head."""
+    model = relative_bias_model()
+    model.set_attn_implementation("eager")
+    ids = torch.randint(2, 99, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        recorded = model(input_ids=ids, output_attentions=True).attentions[0]
+        model.relative_attention.bias.weight.zero_()
+        without = model(input_ids=ids, output_attentions=True).attentions[0]
+    assert not torch.allclose(recorded, without, atol=1e-2)
+
+
+def test_relative_attention_refuses_sliding_layers_and_too_few_buckets_by_name():
+    from huggingface_hub.errors import StrictDataclassClassValidationError as ValidationError
+
+    with pytest.raises(ValidationError, match="does not combine with sliding layers"):
+        encoderstack.EncoderStackConfig(
+            relative_attention="bias", num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"],
+            sliding_window=4,
+        )  # fmt: skip
+    with pytest.raises(ValidationError, match="`relative_attention_num_buckets` must be at least 4.*got 2"):
+        encoderstack.EncoderStackConfig(relative_attention="bias", relative_attention_num_buckets=2)
+    with pytest.raises(ValidationError, match="`relative_attention_max_distance` must exceed the 8 distances"):
+        encoderstack.EncoderStackConfig(relative_attention="bias", relative_attention_max_distance=8)
+
+
+@pytest.mark.parametrize("backend", ["flex_attention", "flash_attention_2"])
+def test_a_backend_that_takes_no_score_term_is_refused_by_name_rather_than_dropping_the_bias(backend):
+    model = relative_bias_model()
+    model.config._attn_implementation = backend  # flash cannot even be selected without its package
+    with pytest.raises(ValueError, match=f"the {backend} backend cannot take: use one of eager, sdpa"):
+        model(input_ids=torch.full((1, 5), 7))
+
+
+def test_padding_between_real_tokens_is_refused_with_a_relative_term_whose_distances_it_would_blur():
+    """The padded path would count the gap, the packed path would not: rather than two answers, one error."""
+    model = relative_bias_model()
+    ids = torch.full((2, 6), 7)
+    gapped = torch.tensor([[1, 1, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"`attention_mask` has 1 row\(s\) with padding between real tokens"):
+        model(input_ids=ids, attention_mask=gapped)
+    model(input_ids=ids, attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]]))  # either side: fine
+    build(encoderstack.EncoderStackModel)(input_ids=ids, attention_mask=gapped)  # without the term: as before

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 from test_convert_family import FAMILIES, OFFSET_FAMILIES, PAD, byte_level_bpe, family_folder
 from test_finetune import packed_and_padded_runs
 
@@ -22,11 +23,23 @@ SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Normalization deci
 
 
 @pytest.fixture(scope="module")
-def roberta(tmp_path_factory):
-    """A converted RoBERTa masked LM (positions from pad + 1 = 2, 64 of them) and its source."""
-    root = tmp_path_factory.mktemp("roberta")
-    source = tokenized_folder(root / "source", "roberta", "ForMaskedLM")
-    return source, encoderstack.convert(source, root / "converted")
+def masked_lm(tmp_path_factory):
+    """family -> a converted masked LM of it (positions from pad + 1 = 2, 64 of them) and its source, each once."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            root = tmp_path_factory.mktemp(family)
+            source = tokenized_folder(root / "source", family, "ForMaskedLM")
+            cache[family] = source, encoderstack.convert(source, root / "converted")
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def roberta(masked_lm):
+    return masked_lm("roberta")
 
 
 def write(path, rows):
@@ -61,10 +74,11 @@ def test_a_flattened_row_longer_than_the_positions_is_fine_when_each_sequence_fi
         model(**flattening_collator()([{"input_ids": list(range(5, 70))}]))
 
 
-def test_continued_pretraining_of_a_converted_roberta_lowers_its_eval_loss_and_its_card_names_the_family(
-    roberta, tmp_path
+@pytest.mark.parametrize("family", ["roberta", "mpnet"])
+def test_continued_pretraining_of_a_converted_family_model_lowers_its_eval_loss_and_its_card_names_the_family(
+    masked_lm, family, tmp_path
 ):
-    _, folder = roberta
+    _, folder = masked_lm(family)
     record = pretrain(
         model=folder,
         train=stdlib_corpus(tmp_path / "corpus.txt", max_bytes=6_000),
@@ -79,7 +93,36 @@ def test_continued_pretraining_of_a_converted_roberta_lowers_its_eval_loss_and_i
     assert record["eval_loss_after"] < record["eval_loss_before"]
     config = encoderstack.EncoderStackConfig.from_pretrained(tmp_path / "out")
     assert config.position_offset == PAD + 1 and config.head_layout == "roberta"
-    assert "- roberta\n" in (tmp_path / "out" / "README.md").read_text()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"- {family}\n" in card
+    assert ("learned relative-position bias in every layer's scores (32 buckets" in card) == (family == "mpnet")
+
+
+def test_a_converted_mpnet_switched_to_pre_ln_trains_with_its_relative_bias(masked_lm, tmp_path):
+    """The placement stays a config choice: the converted weights under pre-LN (a fresh final norm) continue
+    pre-training, and the relative-position bias learns with the rest."""
+    _, folder = masked_lm("mpnet")
+    config = encoderstack.EncoderStackConfig.from_pretrained(folder)
+    config.norm_placement = "pre"
+    encoderstack.EncoderStackForMaskedLM.from_pretrained(folder, config=config).save_pretrained(tmp_path / "pre")
+    transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(tmp_path / "pre")
+    before = load_file(tmp_path / "pre" / "model.safetensors")["model.relative_attention.bias.weight"]
+    record = pretrain(
+        model=tmp_path / "pre",
+        train=stdlib_corpus(tmp_path / "corpus.txt", max_bytes=6_000),
+        output=tmp_path / "out",
+        max_length=32,
+        batch_size=8,
+        max_steps=4,
+        eval_steps=2,
+        lr=3e-3,
+        seed=0,
+    )
+    assert record["eval_loss_after"] < record["eval_loss_before"]
+    trained = encoderstack.EncoderStackConfig.from_pretrained(tmp_path / "out")
+    assert (trained.norm_placement, trained.relative_attention) == ("pre", "bias")
+    after = load_file(tmp_path / "out" / "model.safetensors")["model.relative_attention.bias.weight"]
+    assert not torch.equal(after, before)
 
 
 def test_packed_token_classification_on_a_converted_roberta_ends_where_the_padded_run_does(roberta, tmp_path):
@@ -144,9 +187,30 @@ def test_fine_tuning_a_converted_family_model_trains_saves_reloads_and_its_card_
     assert f"- {family}\n" in card
 
 
+def test_a_sentence_transformers_mpnet_folder_converts_to_the_same_normalized_mean_pooled_embeddings(tmp_path):
+    """all-mpnet-base-v2's layout, built locally from a tiny random MPNet: Transformer, mean Pooling, Normalize. The
+    converted folder keeps the modules and gives the same unit embeddings, on padded batches of unequal sentences."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    transformer = Transformer(str(tokenized_folder(tmp_path / "source", "mpnet")))
+    pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="mean")
+    original = SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu")
+    original.save(str(tmp_path / "st"))
+    folder = encoderstack.convert(tmp_path / "st", tmp_path / "converted")
+    ours = SentenceTransformer(str(folder), device="cpu")
+    assert [type(module).__name__ for module in ours] == ["Transformer", "Pooling", "Normalize"]
+    assert type(ours[0].auto_model).__name__ == "EncoderStackModel"
+    expected = original.encode(SENTENCES, convert_to_tensor=True)
+    got = ours.encode(SENTENCES, convert_to_tensor=True)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.norm(dim=-1), torch.ones(len(SENTENCES)))
+
+
 def assert_same_sentence_embeddings(source, tmp_path, sentences=SENTENCES):
     """sentence-transformers on the converted folder gives the source folder's embeddings, within 1e-5."""
-    sentence_transformers = pytest.importorskip("sentence_transformers")
+    import sentence_transformers
+
     folder = encoderstack.convert(source, tmp_path / "converted")
     original = sentence_transformers.SentenceTransformer(str(source), device="cpu")
     ours = sentence_transformers.SentenceTransformer(str(folder), device="cpu")
@@ -170,6 +234,22 @@ def test_the_diagnostics_measure_a_converted_family_model_and_its_folder_passes_
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
     norms = gradient_norms_per_layer(model, batch)
     assert len(norms) == 2 and all(norm > 0 and norm == norm for norm in norms)
+
+
+def test_a_converted_mpnet_exports_to_onnx_at_float32_parity_with_its_relative_bias(masked_lm, tmp_path):
+    from encoderstack.exporters import RECORD, load_exported
+
+    _, folder = masked_lm("mpnet")
+    exported = encoderstack.export_onnx(folder, tmp_path / "onnx")
+    rows = json.loads((exported / RECORD).read_text())["parity"]["results"]["onnxruntime"]
+    assert all(row["max_abs_diff"] <= 1e-4 for row in rows)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    inputs = dict(tokenizer([*SENTENCES, "Short."], padding=True, return_tensors="pt"))  # not the verified batch
+    logits = torch.as_tensor(load_exported(exported)(**inputs)["logits"])
+    with torch.no_grad():
+        expected = encoderstack.EncoderStackForMaskedLM.from_pretrained(folder).eval()(**inputs).logits
+    real = inputs["attention_mask"].bool()
+    assert (logits[real] - expected[real]).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("family", ["roberta", "roberta-prelayernorm", "xlm-roberta-xl"])

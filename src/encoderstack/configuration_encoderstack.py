@@ -302,6 +302,17 @@ class EncoderStackConfig(PreTrainedConfig):
         The radius of the sliding layers, the one convention of this model: query i attends to key j when
         |i - j| <= sliding_window, 2 * sliding_window + 1 keys in all. ModernBERT's `local_attention=128` is 64 here;
         UltraBERT's `sliding_window` is this radius already. Needed when a layer slides.
+    relative_attention (`str`, *optional*):
+        A relative-position term added to every layer's attention scores, computed once per forward from the distances
+        between each sequence's tokens and shared by the layers: `None` (none) or `"bias"` (MPNet's: one learned bias
+        per head for each bucket of the key-minus-query distance, T5's bidirectional buckets). It runs on the eager
+        and sdpa backends (as an additive float mask); flash kernels take no score term, so the execution plan picks
+        a path that does and says so.
+    relative_attention_num_buckets (`int`, defaults to 32):
+        `relative_attention="bias"`: the number of distance buckets, half for each direction; of each half, the
+        first half counts distances exactly and the rest grow logarithmically up to `relative_attention_max_distance`.
+    relative_attention_max_distance (`int`, defaults to 128):
+        `relative_attention="bias"`: the distance from which every farther key shares the last bucket.
     sparse_prediction (`bool`, defaults to `True`):
         Masked-LM heads in training with labels run the prediction head, its logits and the loss on the labelled
         tokens only (as ModernBERT's `sparse_prediction`): the same loss, a fraction of the vocabulary projection's
@@ -348,6 +359,9 @@ class EncoderStackConfig(PreTrainedConfig):
     classifier_bias: bool = True
     decoder_bias: bool = True
     prediction_head_size: int | None = None
+    relative_attention: Literal["bias"] | None = None
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
 
     def __post_init__(self, **kwargs):
         # Not a field: only a rotary config has the attribute, which transformers then standardizes (flat or per type)
@@ -446,9 +460,26 @@ class EncoderStackConfig(PreTrainedConfig):
             raise ValueError(f"`sliding_window` must be a positive integer or None, got {self.sliding_window}.")
         if "sliding_attention" in (self.layer_types or ()) and self.sliding_window is None:
             raise ValueError("`layer_types` has sliding layers, but `sliding_window` (their radius) is not set.")
+        if self.relative_attention is not None:
+            self.check_relative_attention()
         for name in ("layer_norm_eps", "initializer_range", "rope_theta", "resi_dual_scale", "dyt_alpha_init"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"`{name}` must be a positive finite number, got {getattr(self, name)}.")
+
+    def check_relative_attention(self):
+        buckets, distance = self.relative_attention_num_buckets, self.relative_attention_max_distance
+        if buckets < 4:
+            raise ValueError(
+                f"`relative_attention_num_buckets` must be at least 4 (half each way, of each half the first half "
+                f"exact), got {buckets}."
+            )
+        if distance <= buckets // 4:
+            raise ValueError(
+                f"`relative_attention_max_distance` must exceed the {buckets // 4} distances counted exactly, got "
+                f"{distance}."
+            )
+        if "sliding_attention" in (self.layer_types or ()):
+            raise ValueError("`relative_attention` does not combine with sliding layers (`layer_types`).")
 
     def check_rope_parameters(self):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -163,6 +163,7 @@ class PlanFacts:
     varlen_window: bool = True  # torch's varlen_attn takes `window_size`
     flash_window: bool = True  # torch's flash kernel takes `window_size_left/right`
     padded_tokens: int = 0  # batch x sequence length of the input
+    relative_attention: str | None = None  # config.relative_attention: a term added to the scores; None: none
 
 
 def transformers_window(radius: int) -> int:
@@ -224,6 +225,7 @@ def flash_missing(facts: PlanFacts) -> str | None:
     """Why no flash kernel (torch's `varlen_attn`, or its flash kernel called directly) can run here; None
     when one can."""
     checks = (
+        (facts.relative_attention is None, f"the relative-position scores ({facts.relative_attention}) need a mask"),
         (facts.backend == "sdpa", f"the {facts.backend} backend"),
         (facts.capability is not None, f"no CUDA device ({facts.device_type})"),
         (facts.capability is not None and facts.capability >= (8, 0), f"compute capability {facts.capability} < 8.0"),
@@ -236,9 +238,17 @@ def flash_missing(facts: PlanFacts) -> str | None:
     return next((why for holds, why in checks if not holds), None)
 
 
+SCORE_TERM_BACKENDS = ("eager", "sdpa")  # the backends that add an additive float mask to the scores
+
+
 def decide_plan(facts: PlanFacts) -> ExecutionPlan:
     """The one decision of how a forward runs: a pure function of `facts`, so that every cell can be tested anywhere.
     The kind and the full layers' attention first, then how the sliding layers run on that kind."""
+    if facts.relative_attention is not None and facts.backend not in SCORE_TERM_BACKENDS:
+        raise ValueError(
+            f"relative_attention={facts.relative_attention!r} adds a term to the attention scores, which the "
+            f"{facts.backend} backend cannot take: use one of {', '.join(SCORE_TERM_BACKENDS)}."
+        )
     plan = decide_kind(facts)
     if facts.sliding_window is None:
         return plan
@@ -580,17 +590,22 @@ def plan_facts(
         longest=longest,
         varlen_window=VARLEN_TAKES_WINDOW,
         flash_window=FLASH_TAKES_WINDOW,
+        relative_attention=config.relative_attention,
     )
 
 
 def attention_masks(
-    config: EncoderStackConfig, plan: ExecutionPlan, layer_types, hidden_states, attention_mask
+    config: EncoderStackConfig, plan: ExecutionPlan, layer_types, hidden_states, attention_mask, relative=None
 ) -> dict:
     """Each layer type's mask, built once and only for the types that run (`layer_types`: the model's layers'), as
     transformers' ModernBERT keeps them: none on packed rows (attention reads `cu_seq_lens`), the padding (and
     block-diagonal) mask of full layers, and for sliding layers what their attention function reads:
     `banded_attention`'s layout of the band, one band mask per sequence on the per-sequence path, else the band as a
-    mask (dense, or flex's block-sparse one)."""
+    mask (dense, or flex's block-sparse one).
+
+    `relative`: the model's relative-position term (`config.relative_attention`), called once here for the longest
+    stretch of tokens attention sees, and added to the full layers' mask: the padded or block-diagonal mask of the
+    rows, or one slice per sequence on the per-sequence path (the plan runs no kernel that cannot take it)."""
     packing, layer_types = plan.packing, {plan.runs_as(layer_type) for layer_type in layer_types}
     masks = dict.fromkeys(layer_types)
     sequences = None
@@ -600,6 +615,13 @@ def attention_masks(
         masks["full_attention"] = create_bidirectional_mask(
             config, hidden_states, attention_mask, and_mask_function=sequences
         )
+    if relative is not None:
+        # every sequence's tokens stand side by side, so distances along the row are distances within a sequence
+        scores = relative(packing.max_length if plan.packed else hidden_states.shape[1], plan.facts.dtype)
+        if plan.packed:
+            masks["full_attention"] = [scores[..., :length, :length] for length in packing.lengths]
+        else:
+            masks["full_attention"] = with_score_term(masks["full_attention"], scores)
     if "sliding_attention" not in layer_types:
         return masks
     radius = plan.facts.sliding_window
@@ -618,6 +640,16 @@ def attention_masks(
             config, hidden_states, attention_mask, and_mask_function=sequences
         )
     return masks
+
+
+def with_score_term(mask: torch.Tensor | None, scores: torch.Tensor) -> torch.Tensor:
+    """An additive float mask: `scores` (1, heads, q, k) where `mask` (transformers' boolean or additive mask, or
+    None: nothing masked) lets a key through, the dtype's most negative value where it masks it."""
+    if mask is None:
+        return scores
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return scores + mask
 
 
 def check_sequence_length(config: EncoderStackConfig, longest: int) -> None:
@@ -701,7 +733,10 @@ def check_inputs(
     mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
     if mask is not None:  # its values other than 0 and 1, counted, and read in the same sync as the ranges
         not_binary = ((mask != 0) & (mask != 1)).sum()
-        bounds.append(torch.stack((not_binary, torch.zeros_like(not_binary))))
+        # with a relative-position term: rows whose real tokens do not stand side by side (padding between them)
+        runs = ((mask[:, 1:] != 0) & (mask[:, :-1] == 0)).sum(-1) + (mask[:, 0] != 0)
+        gapped = (runs > 1).sum() if config.relative_attention is not None else torch.zeros_like(not_binary)
+        bounds.append(torch.stack((not_binary, gapped)))
     read_labels = labels is not None and labels.numel() > 0 and holds_integers(labels)
     if read_labels:
         counted = labels != -100
@@ -722,6 +757,11 @@ def check_inputs(
         raise ValueError(
             f"`attention_mask` must hold 1 for real tokens and 0 for padding, got values "
             f"{sorted(set(mask.unique().tolist()))}."
+        )
+    if mask is not None and read[-1][1]:
+        raise ValueError(
+            f"`attention_mask` has {read[-1][1]} row(s) with padding between real tokens: relative_attention="
+            f"{config.relative_attention!r} counts distances within a sequence, so pad on one side only (or flatten)."
         )
     for (name, _, first, size), (low, high) in zip(ranges, read):
         if low < first or high >= size:

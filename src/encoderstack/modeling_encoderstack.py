@@ -205,6 +205,37 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-second, first), dim=-1) * sin
 
 
+def relative_position_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
+    """T5's bidirectional buckets of the key-minus-query `distance`, as MPNet computes them: half the buckets for keys
+    before the query, half for keys after it; of each half, the nearer half counts distances exactly and the rest
+    grow logarithmically up to `max_distance`, beyond which every key shares the last bucket."""
+    half = num_buckets // 2
+    exact = half // 2
+    far = distance.abs()
+    # the same float32 operations as MPNet's, so that a distance on a bucket's edge falls on the same side
+    logarithmic = exact + (
+        torch.log(far.clamp(min=exact).float() / exact) / math.log(max_distance / exact) * (half - exact)
+    ).to(torch.long)
+    return (distance > 0).long() * half + torch.where(far < exact, far, logarithmic.clamp(max=half - 1))
+
+
+class RelativePositionBias(nn.Module):
+    """`relative_attention="bias"` (MPNet's): one learned score bias per head and distance bucket, the same in every
+    layer. Only the distance between two tokens of a sequence matters, so one (1, heads, length, length) table serves
+    every sequence of up to `length` tokens, wherever the sequence starts in its row."""
+
+    def __init__(self, config: EncoderStackConfig):
+        super().__init__()
+        self.num_buckets = config.relative_attention_num_buckets
+        self.max_distance = config.relative_attention_max_distance
+        self.bias = nn.Embedding(self.num_buckets, config.num_attention_heads)
+
+    def forward(self, length: int, dtype: torch.dtype) -> torch.Tensor:
+        positions = torch.arange(length, device=self.bias.weight.device)
+        buckets = relative_position_bucket(positions[None, :] - positions[:, None], self.num_buckets, self.max_distance)
+        return self.bias(buckets).permute(2, 0, 1).unsqueeze(0).to(dtype)
+
+
 class EncoderStackKwargs(TransformersKwargs, total=False):
     """transformers' forward kwargs, and ours: `padding_free` overrides `config.padding_free` for one call; `plan` is
     how a task head hands the encoder the `ExecutionPlan` it made (see `EncoderStackModel.execution_plan`)."""
@@ -520,6 +551,7 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         super().__init__(config)
         self.embeddings = EncoderStackEmbeddings(config)
         self.rotary = EncoderStackRotaryEmbedding(config) if config.position_embedding_type == "rope" else None
+        self.relative_attention = RelativePositionBias(config) if config.relative_attention == "bias" else None
         self.layers = nn.ModuleList(EncoderStackLayer(config, index) for index in range(config.num_hidden_layers))
         self.final = EncoderStackFinal(config)
         pooled = add_pooling_layer and HEADS[config.head_layout].pooler
@@ -566,7 +598,7 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         if plan.packed:
             kwargs.update(packing.attention_kwargs())
         layer_types = [layer.layer_type for layer in self.layers]
-        masks = attention_masks(self.config, plan, layer_types, hidden_states, attention_mask)
+        masks = attention_masks(self.config, plan, layer_types, hidden_states, attention_mask, self.relative_attention)
         # in the compute dtype: under autocast, float32 tables would promote bfloat16 queries and keys back to float32
         rotary = self.rotary(position_ids, plan.facts.dtype) if self.rotary is not None else None
         dual = None

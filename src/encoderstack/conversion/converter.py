@@ -544,6 +544,7 @@ def export_family(config: EncoderStackConfig, folder: Path) -> str:
         "position_embedding_type": (config.position_embedding_type, "absolute"),
         "embedding_size": (config.embedding_size, None),
         "position_offset": (config.position_offset, offset),
+        "relative_attention": (config.relative_attention, None),
     }
     for field_name, (value, family_value) in unsupported.items():
         if value != family_value:

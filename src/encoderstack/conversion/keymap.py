@@ -802,12 +802,49 @@ FAMILIES["neobert"] = Family(
     transformers_reference=False,  # remote code only
 )
 
+
+def mpnet_fields(config: dict) -> dict:
+    """MPNet: RoBERTa's positions (counted from its fixed padding index 1 + 1) without token types, and one learned
+    relative-position bias in every layer's scores, bucketed into 32 whatever the config says (its encoder calls
+    the bucketing with the default)."""
+    if config.get("pad_token_id", 1) != 1:
+        raise ConversionError(
+            f"MPNet numbers positions from its fixed padding index 1; pad_token_id {config['pad_token_id']!r} "
+            "is not supported"
+        )
+    if config.get("relative_attention_num_buckets", 32) != 32:
+        raise ConversionError(
+            f"MPNet's relative_attention_num_buckets {config['relative_attention_num_buckets']!r} is not supported "
+            "(its encoder buckets into 32)"
+        )
+    return {
+        "position_offset": 2,
+        "type_vocab_size": 0,
+        "relative_attention": "bias",
+        "relative_attention_num_buckets": 32,
+        "relative_attention_max_distance": 128,
+    }
+
+
+FAMILIES["mpnet"] = roberta_family(
+    architecture_prefix="MPNet",
+    key_prefix="mpnet.",
+    fields=mpnet_fields,
+    extra_encoder_keys=(
+        ("encoder.layer.{i}.attention.attn.q.{p}", "layers.{i}.attention.query.{p}"),
+        ("encoder.layer.{i}.attention.attn.k.{p}", "layers.{i}.attention.key.{p}"),
+        ("encoder.layer.{i}.attention.attn.v.{p}", "layers.{i}.attention.value.{p}"),
+        ("encoder.layer.{i}.attention.attn.o.{p}", "layers.{i}.attention.output.{p}"),
+        ("encoder.layer.{i}.attention.LayerNorm.{p}", "layers.{i}.attention_residual.norm_out.{p}"),
+        ("encoder.relative_attention_bias.weight", "relative_attention.bias.weight"),
+    ),
+)
+
 # Families that transformers has but EncoderStack's layers cannot express, and why.
 REFUSED_FAMILIES = {
     "albert": "ALBERT shares one set of layer weights across the stack and factorizes the embeddings",
     "deberta": "DeBERTa's disentangled attention adds content-to-position terms inside attention",
     "deberta-v2": "DeBERTa's disentangled attention adds content-to-position terms inside attention",
-    "mpnet": "MPNet adds a learned relative position bias inside attention",
     "funnel": "Funnel-Transformer pools the sequence between blocks",
     "longformer": "Longformer's global tokens attend through their own query, key and value projections",
     "big_bird": "BigBird's block-sparse attention is not BERT's dense attention",

@@ -97,6 +97,11 @@ def architecture_rows(config: EncoderStackConfig, class_name: str) -> list[tuple
             + ("" if row["rope_type"] == "default" else f" ({row['rope_type']})")
             for name, row in rows.items()
         )
+    if config.relative_attention == "bias":
+        positions += (
+            f"; a learned relative-position bias in every layer's scores ({config.relative_attention_num_buckets} "
+            f"buckets, max distance {config.relative_attention_max_distance})"
+        )
     return [
         (
             "class",
