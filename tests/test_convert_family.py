@@ -1,7 +1,7 @@
 """The BERT family converts with parity: the conversion matrix (family x head x backend x padding side) against each
 family's own transformers class, built tiny and random (no download): RoBERTa, XLM-R, CamemBERT, the pre-LN RoBERTas,
-ELECTRA (narrower embeddings, its discriminator and generator), DistilBERT and MPNet (a relative-position bias in
-every layer's scores)."""
+ELECTRA (narrower embeddings, its discriminator and generator), DistilBERT, MPNet (a relative-position bias in
+every layer's scores) and DeBERTa-v3 (disentangled attention, no absolute positions)."""
 
 import json
 import re
@@ -37,6 +37,7 @@ TESTED_HERE = (
     "electra",
     "distilbert",
     "mpnet",
+    "deberta-v2",
 )
 FAMILIES = {name: REGISTRY[name].architecture_prefix for name in TESTED_HERE}  # model_type -> its classes' prefix
 OFFSET_FAMILIES = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "xlm-roberta-xl", "mpnet")
@@ -53,23 +54,38 @@ OUTPUTS = ("last_hidden_state", "pooler_output", "logits", "start_logits", "end_
 PAD = 1  # RoBERTa's pad_token_id: positions count from 2
 
 
-def family_folder(folder, family, suffix, seed=0):
+# DeBERTa-v3's layout, its buckets small enough that the test's 10-12 tokens reach the log buckets and their clamp
+DEBERTA_V3 = {
+    "relative_attention": True,
+    "position_buckets": 8,
+    "max_relative_positions": 8,
+    "pos_att_type": "p2c|c2p",
+    "share_att_key": True,
+    "norm_rel_ebd": "layer_norm",
+    "position_biased_input": False,
+    "type_vocab_size": 0,
+    "embedding_size": 32,
+}
+FAMILY_FIELDS = {"deberta-v2": DEBERTA_V3}  # where a family's tiny config differs from the others'
+
+
+def family_folder(folder, family, suffix, seed=0, **fields):
     """A randomly initialized model of the family's own class, saved as a checkpoint folder."""
-    config = transformers.AutoConfig.for_model(
-        family,
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=20,
-        type_vocab_size=1,
-        embedding_size=16,  # ELECTRA's: a projection to the hidden size
-        hidden_dim=37,  # DistilBERT's intermediate size
-        layer_norm_eps=1e-5,
-        pad_token_id=PAD,
-        num_labels=2 if suffix == "ForQuestionAnswering" else 3,
-    )
+    shared = {
+        "vocab_size": 99,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 37,
+        "max_position_embeddings": 20,
+        "type_vocab_size": 1,
+        "embedding_size": 16,  # ELECTRA's: a projection to the hidden size
+        "hidden_dim": 37,  # DistilBERT's intermediate size
+        "layer_norm_eps": 1e-5,
+        "pad_token_id": PAD,
+        "num_labels": 2 if suffix == "ForQuestionAnswering" else 3,
+    }
+    config = transformers.AutoConfig.for_model(family, **{**shared, **FAMILY_FIELDS.get(family, {}), **fields})
     return save_random(getattr(transformers, FAMILIES[family] + suffix), config, folder, seed)
 
 
@@ -236,7 +252,7 @@ def test_question_answering_loss_without_padding_equals_the_familys(converted, f
 
 
 @pytest.mark.parametrize("suffix", ["Model", "ForTokenClassification", "ForMaskedLM"])
-@pytest.mark.parametrize("family", ["roberta", "xlm-roberta-xl", "mpnet"])
+@pytest.mark.parametrize("family", ["roberta", "xlm-roberta-xl", "mpnet", "deberta-v2"])
 def test_flattened_rows_give_each_sequence_what_the_familys_class_gives_it_alone(converted, family, suffix):
     reference, ours = converted(family, suffix)
     ids = torch.randint(PAD + 1, 99, (1, 12), generator=torch.Generator().manual_seed(7))
@@ -307,7 +323,7 @@ def test_a_roberta_config_without_a_pad_token_id_is_refused_by_name(tmp_path):
     ("model_type", "reason"),
     [
         ("albert", "ALBERT shares one set of layer weights"),
-        ("deberta-v2", "disentangled attention"),
+        ("deberta", "fused in_proj attention"),
         ("funnel", "pools the sequence between blocks"),
         ("gpt2", "is not a BERT-family checkpoint"),
     ],
