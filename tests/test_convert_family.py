@@ -242,6 +242,41 @@ def assert_parity(reference, ours, suffix, backend, side, reference_inputs=None,
         torch.testing.assert_close(recorded.loss, expected.loss, atol=1e-5, rtol=0, msg="loss")
 
 
+# DeBERTa-v2's own variants: position projections of their own (share_att_key off), each term alone, absolute
+# positions and token types at the input, distances without buckets (clamped at 6), the masked-LM head of legacy=false
+DEBERTA_V2 = {
+    **DEBERTA_V3,
+    "share_att_key": False,
+    "position_biased_input": True,
+    "type_vocab_size": 2,
+    "position_buckets": -1,
+    "max_relative_positions": 6,
+    "norm_rel_ebd": "none",
+}
+DEBERTA_VARIANTS = {
+    "c2p-and-p2c": DEBERTA_V2,
+    "c2p-only": {**DEBERTA_V2, "pos_att_type": "c2p"},
+    "p2c-only": {**DEBERTA_V2, "pos_att_type": ["p2c"]},
+    "v3-shared-keys-c2p-only": {**DEBERTA_V3, "pos_att_type": "c2p"},
+    "v3-lm-predictions": {**DEBERTA_V3, "legacy": False},
+}
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("variant", DEBERTA_VARIANTS)
+def test_each_deberta_variant_converts_with_parity_on_both_padding_sides(tmp_path, variant, side):
+    source = family_folder(tmp_path / "source", "deberta-v2", "ForMaskedLM", **DEBERTA_VARIANTS[variant])
+    reference, ours = converted_pair(source, tmp_path / "out", transformers.DebertaV2ForMaskedLM)
+    config = ours.config
+    assert config.share_att_key == (variant.startswith("v3")) and config.relative_attention == "disentangled"
+    assert (config.position_embedding_type is None) == variant.startswith("v3")
+
+    def reference_inputs(inputs):
+        return {**inputs, "position_ids": bert_positions_of_left_padding(inputs)} if side == "left" else inputs
+
+    assert_parity(reference, ours, "ForMaskedLM", "sdpa", side, reference_inputs)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_question_answering_loss_without_padding_equals_the_familys(converted, family):
     reference, ours = converted(family, "ForQuestionAnswering")
