@@ -336,6 +336,36 @@ def test_from_pretrained_converts_a_roberta_folder_on_the_fly(tmp_path):
     assert {path.name for path in tmp_path.iterdir()} == {"roberta"}
 
 
+def test_a_deberta_v3_folder_converts_with_recorded_parity_and_loads_on_the_fly(tmp_path):
+    source = family_folder(tmp_path / "deberta", "deberta-v2", "ForSequenceClassification")
+    folder = encoderstack.convert(source, tmp_path / "out")
+    rows = json.loads((folder / "conversion.json").read_text())["parity"]["results"]
+    assert set(rows) == {"eager", "sdpa"} and all(r["max_abs_diff"] <= 1e-5 for v in rows.values() for r in v)
+    assert "DeBERTa's disentangled attention (c2p+p2c, 8 log buckets" in (folder / "README.md").read_text()
+    ours = encoderstack.EncoderStackForSequenceClassification.from_pretrained(source).eval()
+    reference = transformers.DebertaV2ForSequenceClassification.from_pretrained(source).eval()
+    inputs, _ = right_padded_batch("ForSequenceClassification")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(**inputs).logits, reference(**inputs).logits, atol=1e-5, rtol=0)
+    assert {path.name for path in tmp_path.iterdir()} == {"deberta", "out"}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("conv_kernel_size", 3, "conv_kernel_size 3 is not supported .*the convolution after the first layer"),
+        ("embedding_size", 16, "embedding_size 16 is not supported .*embed_proj, normalized after projection"),
+        ("pooler_hidden_act", "tanh", "pooler_hidden_act 'tanh' is not supported"),
+    ],
+)
+def test_a_deberta_part_encoderstack_does_not_express_is_refused_by_name(tmp_path, field, value, message):
+    source = family_folder(tmp_path / "deberta", "deberta-v2", "Model")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(encoderstack.ConversionError, match=f"config.json: DeBERTa's {message}"):
+        encoderstack.convert(source, tmp_path / "out")
+
+
 def test_a_roberta_checkpoint_refuses_a_head_its_family_does_not_have(tmp_path):
     source = family_folder(tmp_path / "roberta", "roberta", "ForMaskedLM")
     with pytest.raises(encoderstack.ConversionError, match="a roberta checkpoint has no 'pretraining' head"):
