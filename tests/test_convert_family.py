@@ -1,7 +1,7 @@
 """The BERT family converts with parity: the conversion matrix (family x head x backend x padding side) against each
 family's own transformers class, built tiny and random (no download): RoBERTa, XLM-R, CamemBERT, the pre-LN RoBERTas,
 ELECTRA (narrower embeddings, its discriminator and generator), DistilBERT, MPNet (a relative-position bias in
-every layer's scores) and DeBERTa-v3 (disentangled attention, no absolute positions)."""
+every layer's scores), DeBERTa-v3 and DeBERTa v1 (disentangled attention, no absolute positions)."""
 
 import json
 import re
@@ -38,6 +38,7 @@ TESTED_HERE = (
     "distilbert",
     "mpnet",
     "deberta-v2",
+    "deberta",
 )
 FAMILIES = {name: REGISTRY[name].architecture_prefix for name in TESTED_HERE}  # model_type -> its classes' prefix
 OFFSET_FAMILIES = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "xlm-roberta-xl", "mpnet")
@@ -66,7 +67,16 @@ DEBERTA_V3 = {
     "type_vocab_size": 0,
     "embedding_size": 32,
 }
-FAMILY_FIELDS = {"deberta-v2": DEBERTA_V3}  # where a family's tiny config differs from the others'
+# DeBERTa v1's layout (deberta-base's: no absolute positions), its distances clamped at 6
+DEBERTA_V1 = {
+    "relative_attention": True,
+    "max_relative_positions": 6,
+    "pos_att_type": "c2p|p2c",
+    "position_biased_input": False,
+    "type_vocab_size": 0,
+    "embedding_size": 32,
+}
+FAMILY_FIELDS = {"deberta-v2": DEBERTA_V3, "deberta": DEBERTA_V1}  # where a family's tiny config differs
 
 
 def family_folder(folder, family, suffix, seed=0, **fields):
@@ -287,7 +297,7 @@ def test_question_answering_loss_without_padding_equals_the_familys(converted, f
 
 
 @pytest.mark.parametrize("suffix", ["Model", "ForTokenClassification", "ForMaskedLM"])
-@pytest.mark.parametrize("family", ["roberta", "xlm-roberta-xl", "mpnet", "deberta-v2"])
+@pytest.mark.parametrize("family", ["roberta", "xlm-roberta-xl", "mpnet", "deberta-v2", "deberta"])
 def test_flattened_rows_give_each_sequence_what_the_familys_class_gives_it_alone(converted, family, suffix):
     reference, ours = converted(family, suffix)
     ids = torch.randint(PAD + 1, 99, (1, 12), generator=torch.Generator().manual_seed(7))
@@ -388,7 +398,7 @@ def test_a_roberta_config_without_a_pad_token_id_is_refused_by_name(tmp_path):
     ("model_type", "reason"),
     [
         ("albert", "ALBERT shares one set of layer weights"),
-        ("deberta", "fused in_proj attention"),
+        ("longformer", "global tokens attend through their own"),
         ("funnel", "pools the sequence between blocks"),
         ("gpt2", "is not a BERT-family checkpoint"),
     ],

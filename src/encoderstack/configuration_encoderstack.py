@@ -208,6 +208,7 @@ HEAD_LAYOUTS = get_args(HeadLayout)
 LayerType = Literal["full_attention", "sliding_attention"]  # transformers' names
 LAYER_TYPES = get_args(LayerType)
 ClassifierPooling = Literal["first", "mean", "late"]
+AttentionProjection = Literal["query", "key", "value", "output", "position_key", "position_query"]
 
 
 @strict
@@ -250,8 +251,11 @@ class EncoderStackConfig(PreTrainedConfig):
     num_key_value_heads (`int`, *optional*):
         Grouped-query attention: the number of key/value heads, each shared by `num_attention_heads /
         num_key_value_heads` query heads (EuroBERT). `None`: one per query head.
-    attention_bias (`bool`, defaults to `True`):
-        Whether the query, key, value and output projections have biases (BERT's do; ModernBERT's, EuroBERT's not).
+    attention_bias (`bool` or `list[str]`, defaults to `True`):
+        Whether the query, key, value and output projections (and `relative_attention="disentangled"`'s position
+        projections) have biases (BERT's do; ModernBERT's, EuroBERT's not), or the list of those that have one, by
+        name: `"query"`, `"key"`, `"value"`, `"output"`, `"position_key"`, `"position_query"` (DeBERTa v1: every one
+        but the key and the position key).
     mlp_bias (`bool` or `"down"`, defaults to `True`):
         Which feed-forward projections have biases: all (`True`), none (`False`), or `"down"`, the output projection
         only (GTE's).
@@ -374,7 +378,7 @@ class EncoderStackConfig(PreTrainedConfig):
     layer_types: list[LayerType] | None = None
     sliding_window: int | None = None
     num_key_value_heads: int | None = None
-    attention_bias: bool = True
+    attention_bias: bool | list[AttentionProjection] = True
     mlp_bias: bool | Literal["down"] = True
     norm_bias: bool = True
     classifier_pooling: ClassifierPooling = "first"

@@ -13,6 +13,7 @@ only): `save_pretrained` copies this file and the two it imports next to the wei
 import copy
 import math
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_encoderstack import (  # noqa: F401 (Placement, PLACEMENTS, Heads: their old home, kept)
     GATED_ACTIVATIONS,
+    AttentionProjection,
     HEADS,
     PLACEMENTS,
     EncoderStackConfig,
@@ -321,11 +323,12 @@ class EncoderStackAttention(nn.Module):
         # grouped-query attention: each key/value head serves `groups` query heads
         kv_size = (config.num_key_value_heads or config.num_attention_heads) * self.head_dim
         self.groups = config.hidden_size // kv_size
-        bias = config.attention_bias
-        self.query = LayerProjection(config.hidden_size, config.hidden_size, bias=bias)
-        self.key = LayerProjection(config.hidden_size, kv_size, bias=bias)
-        self.value = BranchProjection(config.hidden_size, kv_size, bias=bias)
-        self.output = BranchProjection(config.hidden_size, config.hidden_size, bias=bias)
+        given = config.attention_bias  # all, none, or the names of those with a bias
+        bias = {name: given if isinstance(given, bool) else name in given for name in get_args(AttentionProjection)}
+        self.query = LayerProjection(config.hidden_size, config.hidden_size, bias=bias["query"])
+        self.key = LayerProjection(config.hidden_size, kv_size, bias=bias["key"])
+        self.value = BranchProjection(config.hidden_size, kv_size, bias=bias["value"])
+        self.output = BranchProjection(config.hidden_size, config.hidden_size, bias=bias["output"])
         self.attention_dropout = config.attention_probs_dropout_prob
         # HybridNorm's QKV-norm: one norm over each head's features, shared by the heads, as its reference code
         norms = [make_norm(config, self.head_dim) if qkv_norm else nn.Identity() for _ in range(3)]
@@ -336,10 +339,10 @@ class EncoderStackAttention(nn.Module):
             self.scaling = (self.head_dim * (1 + len(self.pos_att_type))) ** -0.5
             self.position_dropout = nn.Dropout(config.hidden_dropout_prob)
             self.share_att_key = config.share_att_key
-            if not config.share_att_key:  # projections of the positions of their own, as DeBERTa-v2's
-                size = config.hidden_size
-                self.position_key = LayerProjection(size, size) if "c2p" in self.pos_att_type else None
-                self.position_query = LayerProjection(size, size) if "p2c" in self.pos_att_type else None
+            if not config.share_att_key:  # projections of the positions of their own, as DeBERTa v1's and v2's
+                size, terms = config.hidden_size, self.pos_att_type
+                self.position_key = LayerProjection(size, size, bias["position_key"]) if "c2p" in terms else None
+                self.position_query = LayerProjection(size, size, bias["position_query"]) if "p2c" in terms else None
 
     def position_projections(self) -> dict:
         """Each term's projection of the relative positions: c2p reads them as keys, p2c as queries; the layer's own
