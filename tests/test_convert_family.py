@@ -1,6 +1,7 @@
 """The BERT family converts with parity: the conversion matrix (family x head x backend x padding side) against each
 family's own transformers class, built tiny and random (no download): RoBERTa, XLM-R, CamemBERT, the pre-LN RoBERTas,
-ELECTRA (narrower embeddings, its discriminator and generator) and DistilBERT."""
+ELECTRA (narrower embeddings, its discriminator and generator), DistilBERT and ALBERT (shared layers, its
+sentence-order pre-training head)."""
 
 import json
 import re
@@ -27,7 +28,16 @@ def suffixes(family: str) -> tuple:
     )
 
 
-TESTED_HERE = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "xlm-roberta-xl", "electra", "distilbert")
+TESTED_HERE = (
+    "roberta",
+    "xlm-roberta",
+    "camembert",
+    "roberta-prelayernorm",
+    "xlm-roberta-xl",
+    "electra",
+    "distilbert",
+    "albert",
+)
 FAMILIES = {name: REGISTRY[name].architecture_prefix for name in TESTED_HERE}  # model_type -> its classes' prefix
 OFFSET_FAMILIES = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "xlm-roberta-xl")
 SUFFIXES = (
@@ -39,7 +49,15 @@ SUFFIXES = (
     "ForMultipleChoice",
 )
 MATRIX = [(family, suffix) for family in FAMILIES for suffix in suffixes(family)]
-OUTPUTS = ("last_hidden_state", "pooler_output", "logits", "start_logits", "end_logits")
+OUTPUTS = (
+    "last_hidden_state",
+    "pooler_output",
+    "logits",
+    "prediction_logits",
+    "sop_logits",
+    "start_logits",
+    "end_logits",
+)
 PAD = 1  # RoBERTa's pad_token_id: positions count from 2
 
 
@@ -54,11 +72,11 @@ def family_folder(folder, family, suffix, seed=0):
         intermediate_size=37,
         max_position_embeddings=20,
         type_vocab_size=1,
-        embedding_size=16,  # ELECTRA's: a projection to the hidden size
+        embedding_size=16,  # ELECTRA's and ALBERT's: a projection to the hidden size
         hidden_dim=37,  # DistilBERT's intermediate size
         layer_norm_eps=1e-5,
         pad_token_id=PAD,
-        num_labels=2 if suffix == "ForQuestionAnswering" else 3,
+        num_labels=2 if suffix in ("ForQuestionAnswering", "ForPreTraining") else 3,  # ALBERT's sentence order: 2
     )
     return save_random(getattr(transformers, FAMILIES[family] + suffix), config, folder, seed)
 
@@ -101,9 +119,10 @@ def converted_pair(source, output, reference_class):
     ).eval()
 
 
-def right_padded_batch(suffix):
+def right_padded_batch(suffix, family=None):
     """Ids that are never the pad id (RoBERTa's reference counts positions by the ids), padding at the pad id, and
-    every label the head takes (-100 at padding; one per row for sequence-level heads)."""
+    every label the head takes (-100 at padding; one per row for sequence-level heads). `ForPreTraining` is ELECTRA's
+    discriminator, or, for a `family` whose pre-training head is masked LM and sentence order, ALBERT's."""
     generator = torch.Generator().manual_seed(5)
     lengths = torch.tensor([10, 6, 3, 8])
     mask = (torch.arange(10) < lengths[:, None]).long()
@@ -123,6 +142,8 @@ def right_padded_batch(suffix):
         "ForNextSentencePrediction": {"labels": per_row},  # a BERT-layout family's
         "ForPreTraining": {"labels": torch.randint(0, 2, (4, 10), generator=generator)},  # replaced or not
     }[suffix]
+    if suffix == "ForPreTraining" and family is not None and REGISTRY[family].has(TASKS["pretraining"]):
+        labels = {"labels": per_token, "sentence_order_label": per_row}
     return {"input_ids": ids, "attention_mask": mask}, labels
 
 
@@ -178,7 +199,8 @@ def test_every_family_head_backend_and_padding_side_converts_with_parity(convert
             inputs = {**inputs, "position_ids": bert_positions_of_left_padding(inputs)}
         return reference_choices(family, suffix, inputs)
 
-    assert_parity(*converted(family, suffix), suffix, backend, side, reference_inputs)
+    batch = partial(right_padded_batch, family=family)
+    assert_parity(*converted(family, suffix), suffix, backend, side, reference_inputs, batch=batch)
 
 
 def assert_parity(reference, ours, suffix, backend, side, reference_inputs=None, batch=None, ours_only=()):
@@ -226,7 +248,7 @@ def test_question_answering_loss_without_padding_equals_the_familys(converted, f
 
 
 @pytest.mark.parametrize("suffix", ["Model", "ForTokenClassification", "ForMaskedLM"])
-@pytest.mark.parametrize("family", ["roberta", "xlm-roberta-xl"])
+@pytest.mark.parametrize("family", ["roberta", "xlm-roberta-xl", "albert"])
 def test_flattened_rows_give_each_sequence_what_the_familys_class_gives_it_alone(converted, family, suffix):
     reference, ours = converted(family, suffix)
     ids = torch.randint(PAD + 1, 99, (1, 12), generator=torch.Generator().manual_seed(7))
@@ -296,7 +318,7 @@ def test_a_roberta_config_without_a_pad_token_id_is_refused_by_name(tmp_path):
 @pytest.mark.parametrize(
     ("model_type", "reason"),
     [
-        ("albert", "ALBERT shares one set of layer weights"),
+        ("funnel", "pools the sequence between blocks"),
         ("deberta-v2", "disentangled attention"),
         ("mpnet", "relative position bias"),
         ("gpt2", "is not a BERT-family checkpoint"),

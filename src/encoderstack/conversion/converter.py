@@ -295,7 +295,7 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
     other_heads = {pair: other.name for other in TASKS.values() if other != task for pair in family.head_keys_of(other)}
     blocks, skipped = {}, dict(source.skipped)  # blocks: target -> (block count, {block index: SourceRows})
     for key, (name, transpose) in sorted(source_names.items()):
-        target = translate(name, family.encoder_keys)
+        target = translate(name, family.encoder_keys, inner_group_num=config.inner_group_num)
         pieces = (
             [prefixed(piece, prefix) for piece in as_pieces(target)]
             if target
