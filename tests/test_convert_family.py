@@ -381,20 +381,23 @@ def test_a_distilbert_with_fixed_sinusoidal_positions_converts_its_stored_table_
     )
 
 
-@pytest.mark.parametrize("suffix", SUFFIXES)
-def test_export_bert_takes_a_converted_roberta_back_to_robertas_own_class_with_identical_tensors(tmp_path, suffix):
-    source = family_folder(tmp_path / "roberta", "roberta", suffix)
+@pytest.mark.parametrize(
+    ("family", "suffix"), [(family, suffix) for family in ("roberta", "albert") for suffix in suffixes(family)]
+)
+def test_export_bert_takes_a_converted_family_back_to_its_own_class_with_identical_tensors(tmp_path, family, suffix):
+    source = family_folder(tmp_path / family, family, suffix)
     folder = encoderstack.convert(source, tmp_path / "es", verify=False)
     back = encoderstack.export_bert(folder, tmp_path / "back")
-    assert json.loads((back / "config.json").read_text())["architectures"] == ["Roberta" + suffix]
-    original = getattr(transformers, "Roberta" + suffix).from_pretrained(source).state_dict()
-    exported = getattr(transformers, "Roberta" + suffix).from_pretrained(back).state_dict()
+    reference_class = getattr(transformers, FAMILIES[family] + suffix)
+    assert json.loads((back / "config.json").read_text())["architectures"] == [reference_class.__name__]
+    original = reference_class.from_pretrained(source).state_dict()
+    exported = reference_class.from_pretrained(back).state_dict()
     assert original.keys() == exported.keys()
     for key in original:
         assert torch.equal(original[key], exported[key]), key
 
 
-def test_export_bert_refuses_a_layout_neither_bert_nor_roberta_has(tmp_path):
+def test_export_bert_refuses_a_layout_no_exported_family_has(tmp_path):
     folder = encoderstack.convert(
         family_folder(tmp_path / "electra", "electra", "Model"), tmp_path / "es", verify=False
     )

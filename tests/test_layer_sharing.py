@@ -218,3 +218,21 @@ def test_albert_with_embeddings_as_wide_as_the_hidden_states_is_refused_by_name(
     with pytest.raises(encoderstack.ConversionError, match="ALBERT's embedding_size equal to hidden_size"):
         encoderstack.convert(source, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_export_bert_writes_albert_s_groups_back_and_bert_refuses_shared_layers_by_name(tmp_path):
+    source = albert_folder(
+        tmp_path / "albert", "ForMaskedLM", num_hidden_layers=3, num_hidden_groups=2, inner_group_num=2
+    )
+    back = encoderstack.export_bert(encoderstack.convert(source, tmp_path / "es"), tmp_path / "back")
+    config = json.loads((back / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_hidden_groups"], config["inner_group_num"]) == (3, 2, 2)
+    original = transformers.AlbertForMaskedLM.from_pretrained(source).state_dict()
+    exported = transformers.AlbertForMaskedLM.from_pretrained(back).state_dict()
+    assert original.keys() == exported.keys()
+    for key in original:
+        assert torch.equal(original[key], exported[key]), key
+    build(encoderstack.EncoderStackModel, num_hidden_groups=1).save_pretrained(tmp_path / "shared")
+    with pytest.raises(encoderstack.ConversionError, match="bert cannot express num_hidden_groups=1"):
+        encoderstack.export_bert(tmp_path / "shared", tmp_path / "bert")
+    assert not (tmp_path / "bert").exists()

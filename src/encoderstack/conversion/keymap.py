@@ -254,6 +254,8 @@ class Family:
     architecture_names: dict = field(default_factory=dict)  # task name -> class name, where not prefix + suffix
     original_prefixes: tuple = ()  # the encoder's prefix in the release transformers ports, where it differs
     export_config: str | None = None  # export_bert: the transformers config class of the folder it writes
+    # export_bert: the fields its config takes beyond BERT's, from ours (ConversionError where it has no value for one)
+    export_fields: Callable[[object], dict] = lambda config: {}
     # convert's parity reference: the family's own transformers class for the task (`architecture`), where there is one
     transformers_reference: bool = True
 
@@ -834,6 +836,21 @@ def albert_fields(config: dict) -> dict:
     }
 
 
+def albert_export_fields(config) -> dict:
+    """ALBERT's config fields of an EncoderStack config: its blocks of `inner_group_num` layers, its groups."""
+    if config.embedding_size is None:
+        raise ConversionError("albert cannot express embedding_size=None (ALBERT always projects its embeddings)")
+    blocks = config.num_hidden_layers // config.inner_group_num
+    dropout = config.classifier_dropout
+    return {
+        "embedding_size": config.embedding_size,
+        "num_hidden_layers": blocks,
+        "num_hidden_groups": config.num_hidden_groups or blocks,
+        "inner_group_num": config.inner_group_num,
+        "classifier_dropout_prob": config.hidden_dropout_prob if dropout is None else dropout,
+    }
+
+
 ALBERT_LAYER = "encoder.albert_layer_groups.{g}.albert_layers.{j}."
 ALBERT_LM_HEAD_KEYS = (
     ("predictions.dense.{p}", "lm_head.dense.{p}"),
@@ -847,6 +864,8 @@ FAMILIES["albert"] = Family(
     key_prefix="albert.",
     head_layout="albert",
     fields=albert_fields,
+    export_config="AlbertConfig",
+    export_fields=albert_export_fields,
     extra_encoder_keys=(
         ("encoder.embedding_hidden_mapping_in.{p}", "embeddings.project.{p}"),
         (ALBERT_LAYER + "attention.query.{p}", "layers.{i}.attention.query.{p}"),
