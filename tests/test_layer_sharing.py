@@ -197,6 +197,9 @@ def test_albert_s_groups_of_several_layers_convert_in_order_with_every_hidden_st
     folder = encoderstack.convert(source, tmp_path / "out")
     config = json.loads((folder / "config.json").read_text())
     assert (config["num_hidden_layers"], config["num_hidden_groups"], config["inner_group_num"]) == (6, 2, 2)
+    card = (folder / "README.md").read_text().splitlines()
+    assert "| layers | 6, sharing 4 stored layers (`num_hidden_groups` 2, `inner_group_num` 2) |" in card
+    assert "- albert" in card
     assert len(load_file(folder / "model.safetensors").keys() & {f"layers.{i}.mlp.up.weight" for i in range(6)}) == 4
     reference = transformers.AlbertModel.from_pretrained(source).eval()
     ours = encoderstack.EncoderStackModel.from_pretrained(folder).eval()
