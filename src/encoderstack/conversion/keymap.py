@@ -1,8 +1,9 @@
 """What a BERT-family checkpoint is in EncoderStack terms: the key map, the tasks, and the config fields.
 
 Everything here is data. The map is a list of (BERT key, EncoderStack key) templates that reads both ways, so
-`convert` and `export_bert` share it; `{i}` stands for a layer index and `{p}` for `weight` or `bias`. BERT keys
-are written without the `bert.` prefix of its heads, EncoderStack keys without the `model.` prefix of ours. Where a
+`convert` and `export_bert` share it; `{i}` stands for a layer index (ALBERT's `{g}` and `{j}`: a group and a layer in
+it) and `{p}` for `weight` or `bias`. BERT keys are written without the `bert.` prefix of its heads, EncoderStack keys
+without the `model.` prefix of ours. Where a
 target is not one source tensor as it is, the EncoderStack side is a `Piece` (some rows of the source, or one row
 block of the target), or a tuple of them when one source tensor feeds several targets (a fused QKV projection).
 `FAMILIES` holds every source family (BERT, Megatron-BERT, RoBERTa and its kin): its class and key prefixes, the
@@ -954,7 +955,7 @@ def translate(key: str, pairs, reverse: bool = False, inner_group_num: int = 1):
             groups = match.groupdict()
             if "g" in groups:
                 groups["i"] = int(groups.pop("g")) * inner_group_num + int(groups.pop("j"))
-            elif "{g}" in target:
+            elif reverse and "{g}" in target:
                 groups["g"], groups["j"] = divmod(int(groups["i"]), inner_group_num)
             if isinstance(target, tuple):
                 return tuple(piece.format(**groups) for piece in target)
