@@ -214,3 +214,16 @@ def test_a_converted_albert_pre_training_model_exports_to_onnx_with_the_referenc
     logits = torch.as_tensor(outputs["prediction_logits"])[mask]
     torch.testing.assert_close(logits, expected.prediction_logits[mask], atol=1e-5, rtol=0)
     torch.testing.assert_close(torch.as_tensor(outputs["sop_logits"]), expected.sop_logits, atol=1e-5, rtol=0)
+
+
+def test_continued_masked_lm_pretraining_of_a_converted_albert_keeps_one_stored_layer(tmp_path):
+    """`pretrain` (masked LM) from ALBERT's pre-training checkpoint: Trainer's checkpoints and the output folder keep
+    the one shared layer, and the eval loss falls."""
+    source = tokenized_folder(tmp_path / "source", "albert", "ForPreTraining")
+    folder = encoderstack.convert(source, tmp_path / "converted")
+    settings = {"max_length": 32, "batch_size": 8, "max_steps": 4, "eval_steps": 2, "lr": 3e-3, "seed": 0}
+    corpus = stdlib_corpus(tmp_path / "corpus.txt", max_bytes=6_000)
+    record = pretrain(model=folder, train=corpus, output=tmp_path / "out", **settings)
+    assert record["eval_loss_after"] < record["eval_loss_before"]
+    model = encoderstack.EncoderStackForMaskedLM.from_pretrained(tmp_path / "out")
+    assert (model.config.num_hidden_layers, len(model.model.layers), model.config.head_layout) == (2, 1, "albert")
