@@ -112,7 +112,7 @@ def test_gradient_checkpointing_recomputes_every_use_of_a_shared_layer_and_gives
     calls = []
     # checkpointing wraps the layer's forward: its sublayers count each run, the recomputations included
     model.model.layers[0].mlp.register_forward_hook(lambda *args: calls.append(1))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     got = loss_and_grads(model, inputs)
     assert len(calls) == 8  # four uses in the forward, each recomputed in the backward
     for name, grad in expected.items():
