@@ -17,6 +17,7 @@ FAMILIES = {  # model_type -> its transformers class
     "xlm-roberta-xl": "XLMRobertaXLModel",
     "electra": "ElectraModel",
     "distilbert": "DistilBertModel",
+    "albert": "AlbertModel",
     "modernbert": "ModernBertModel",
     "gte": "GteModel",
     "nomic_bert": "NomicBertModel",

@@ -1,7 +1,8 @@
 """The BERT family converts with parity: the conversion matrix (family x head x backend x padding side) against each
 family's own transformers class, built tiny and random (no download): RoBERTa, XLM-R, CamemBERT, the pre-LN RoBERTas,
 ELECTRA (narrower embeddings, its discriminator and generator), DistilBERT, MPNet (a relative-position bias in
-every layer's scores), DeBERTa-v3 and DeBERTa v1 (disentangled attention, no absolute positions)."""
+every layer's scores), ALBERT (shared layers, its sentence-order pre-training head), DeBERTa-v3 and DeBERTa v1
+(disentangled attention, no absolute positions)."""
 
 import json
 import re
@@ -37,6 +38,7 @@ TESTED_HERE = (
     "electra",
     "distilbert",
     "mpnet",
+    "albert",
     "deberta-v2",
     "deberta",
 )
@@ -51,7 +53,15 @@ SUFFIXES = (
     "ForMultipleChoice",
 )
 MATRIX = [(family, suffix) for family in FAMILIES for suffix in suffixes(family)]
-OUTPUTS = ("last_hidden_state", "pooler_output", "logits", "start_logits", "end_logits")
+OUTPUTS = (
+    "last_hidden_state",
+    "pooler_output",
+    "logits",
+    "prediction_logits",
+    "sop_logits",
+    "start_logits",
+    "end_logits",
+)
 PAD = 1  # RoBERTa's pad_token_id: positions count from 2
 
 
@@ -89,11 +99,11 @@ def family_folder(folder, family, suffix, seed=0, **fields):
         "intermediate_size": 37,
         "max_position_embeddings": 20,
         "type_vocab_size": 1,
-        "embedding_size": 16,  # ELECTRA's: a projection to the hidden size
+        "embedding_size": 16,  # ELECTRA's and ALBERT's: a projection to the hidden size
         "hidden_dim": 37,  # DistilBERT's intermediate size
         "layer_norm_eps": 1e-5,
         "pad_token_id": PAD,
-        "num_labels": 2 if suffix == "ForQuestionAnswering" else 3,
+        "num_labels": 2 if suffix in ("ForQuestionAnswering", "ForPreTraining") else 3,  # ALBERT's sentence order: 2
     }
     config = transformers.AutoConfig.for_model(family, **{**shared, **FAMILY_FIELDS.get(family, {}), **fields})
     return save_random(getattr(transformers, FAMILIES[family] + suffix), config, folder, seed)
@@ -137,9 +147,10 @@ def converted_pair(source, output, reference_class):
     ).eval()
 
 
-def right_padded_batch(suffix):
+def right_padded_batch(suffix, family=None):
     """Ids that are never the pad id (RoBERTa's reference counts positions by the ids), padding at the pad id, and
-    every label the head takes (-100 at padding; one per row for sequence-level heads)."""
+    every label the head takes (-100 at padding; one per row for sequence-level heads). `ForPreTraining` is ELECTRA's
+    discriminator, or, for a `family` whose pre-training head is masked LM and sentence order, ALBERT's."""
     generator = torch.Generator().manual_seed(5)
     lengths = torch.tensor([10, 6, 3, 8])
     mask = (torch.arange(10) < lengths[:, None]).long()
@@ -159,6 +170,8 @@ def right_padded_batch(suffix):
         "ForNextSentencePrediction": {"labels": per_row},  # a BERT-layout family's
         "ForPreTraining": {"labels": torch.randint(0, 2, (4, 10), generator=generator)},  # replaced or not
     }[suffix]
+    if suffix == "ForPreTraining" and family is not None and REGISTRY[family].has(TASKS["pretraining"]):
+        labels = {"labels": per_token, "sentence_order_label": per_row}
     return {"input_ids": ids, "attention_mask": mask}, labels
 
 
@@ -214,7 +227,8 @@ def test_every_family_head_backend_and_padding_side_converts_with_parity(convert
             inputs = {**inputs, "position_ids": bert_positions_of_left_padding(inputs)}
         return reference_choices(family, suffix, inputs)
 
-    assert_parity(*converted(family, suffix), suffix, backend, side, reference_inputs)
+    batch = partial(right_padded_batch, family=family)
+    assert_parity(*converted(family, suffix), suffix, backend, side, reference_inputs, batch=batch)
 
 
 def assert_parity(reference, ours, suffix, backend, side, reference_inputs=None, batch=None, ours_only=()):
@@ -297,7 +311,7 @@ def test_question_answering_loss_without_padding_equals_the_familys(converted, f
 
 
 @pytest.mark.parametrize("suffix", ["Model", "ForTokenClassification", "ForMaskedLM"])
-@pytest.mark.parametrize("family", ["roberta", "xlm-roberta-xl", "mpnet", "deberta-v2", "deberta"])
+@pytest.mark.parametrize("family", ["roberta", "xlm-roberta-xl", "mpnet", "albert", "deberta-v2", "deberta"])
 def test_flattened_rows_give_each_sequence_what_the_familys_class_gives_it_alone(converted, family, suffix):
     reference, ours = converted(family, suffix)
     ids = torch.randint(PAD + 1, 99, (1, 12), generator=torch.Generator().manual_seed(7))
@@ -397,9 +411,8 @@ def test_a_roberta_config_without_a_pad_token_id_is_refused_by_name(tmp_path):
 @pytest.mark.parametrize(
     ("model_type", "reason"),
     [
-        ("albert", "ALBERT shares one set of layer weights"),
-        ("longformer", "global tokens attend through their own"),
         ("funnel", "pools the sequence between blocks"),
+        ("longformer", "global tokens"),
         ("gpt2", "is not a BERT-family checkpoint"),
     ],
 )
@@ -460,20 +473,23 @@ def test_a_distilbert_with_fixed_sinusoidal_positions_converts_its_stored_table_
     )
 
 
-@pytest.mark.parametrize("suffix", SUFFIXES)
-def test_export_bert_takes_a_converted_roberta_back_to_robertas_own_class_with_identical_tensors(tmp_path, suffix):
-    source = family_folder(tmp_path / "roberta", "roberta", suffix)
+@pytest.mark.parametrize(
+    ("family", "suffix"), [(family, suffix) for family in ("roberta", "albert") for suffix in suffixes(family)]
+)
+def test_export_bert_takes_a_converted_family_back_to_its_own_class_with_identical_tensors(tmp_path, family, suffix):
+    source = family_folder(tmp_path / family, family, suffix)
     folder = encoderstack.convert(source, tmp_path / "es", verify=False)
     back = encoderstack.export_bert(folder, tmp_path / "back")
-    assert json.loads((back / "config.json").read_text())["architectures"] == ["Roberta" + suffix]
-    original = getattr(transformers, "Roberta" + suffix).from_pretrained(source).state_dict()
-    exported = getattr(transformers, "Roberta" + suffix).from_pretrained(back).state_dict()
+    reference_class = getattr(transformers, FAMILIES[family] + suffix)
+    assert json.loads((back / "config.json").read_text())["architectures"] == [reference_class.__name__]
+    original = reference_class.from_pretrained(source).state_dict()
+    exported = reference_class.from_pretrained(back).state_dict()
     assert original.keys() == exported.keys()
     for key in original:
         assert torch.equal(original[key], exported[key]), key
 
 
-def test_export_bert_refuses_a_layout_neither_bert_nor_roberta_has(tmp_path):
+def test_export_bert_refuses_a_layout_no_exported_family_has(tmp_path):
     folder = encoderstack.convert(
         family_folder(tmp_path / "electra", "electra", "Model"), tmp_path / "es", verify=False
     )

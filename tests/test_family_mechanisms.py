@@ -361,3 +361,29 @@ def test_padding_between_real_tokens_is_refused_with_a_relative_term_whose_dista
         model(input_ids=ids, attention_mask=gapped)
     model(input_ids=ids, attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]]))  # either side: fine
     build(encoderstack.EncoderStackModel)(input_ids=ids, attention_mask=gapped)  # without the term: as before
+
+
+def test_the_albert_layout_pre_trains_on_sentence_order_under_albert_s_names():
+    """The same 2-way head on the pooled output as BERT's next sentence, stored as `sentence_order`, taking ALBERT's
+    `sentence_order_label` and giving `sop_logits`; the loss is the masked-LM loss plus its cross-entropy."""
+    model = build(encoderstack.EncoderStackForPreTraining, head_layout="albert", embedding_size=16)
+    bert = build(encoderstack.EncoderStackForPreTraining)
+    assert {key for key in model.state_dict() if not key.startswith(("model.", "lm_head."))} == {
+        "sentence_order.weight",
+        "sentence_order.bias",
+    }
+    assert {key for key in bert.state_dict() if not key.startswith(("model.", "lm_head."))} == {
+        "next_sentence.weight",
+        "next_sentence.bias",
+    }
+    inputs = batch()
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    order = torch.tensor([0, 1, 1])
+    out = model(**inputs, labels=labels, sentence_order_label=order)
+    assert out.seq_relationship_logits is None and out.sop_logits.shape == (3, 2)
+    mask = inputs["attention_mask"].bool()
+    mlm = torch.nn.functional.cross_entropy(out.prediction_logits[mask], labels[mask])
+    expected = mlm + torch.nn.functional.cross_entropy(out.sop_logits, order)
+    torch.testing.assert_close(out.loss, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(model(**inputs, labels=labels, next_sentence_label=order).loss, out.loss)
+    assert bert(**inputs).sop_logits is None

@@ -1,6 +1,7 @@
 """Everything else works on a converted BERT-family folder: continued pre-training and packed fine-tuning (flattened
 rows numbered from RoBERTa's offset), fine-tuning end to end, sentence-transformers, the diagnostics, the push card
-check and ONNX int8. Tiny random models of the families' own classes and tiny data, as in test_convert_family.py."""
+check, ONNX int8 and ALBERT's ONNX export. Tiny random models of the families' own classes and tiny data, as in
+test_convert_family.py."""
 
 import json
 
@@ -8,7 +9,15 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
-from test_convert_family import FAMILIES, FAMILY_FIELDS, OFFSET_FAMILIES, PAD, byte_level_bpe, family_folder
+from test_convert_family import (
+    FAMILIES,
+    FAMILY_FIELDS,
+    OFFSET_FAMILIES,
+    PAD,
+    byte_level_bpe,
+    family_folder,
+    right_padded_batch,
+)
 from test_finetune import packed_and_padded_runs
 
 import encoderstack
@@ -195,7 +204,7 @@ def tokenized_folder(folder, family, suffix="Model"):
     return folder
 
 
-@pytest.mark.parametrize("family", ["roberta", "electra", "distilbert", "deberta-v2"])
+@pytest.mark.parametrize("family", ["roberta", "electra", "distilbert", "albert", "deberta-v2"])
 def test_fine_tuning_a_converted_family_model_trains_saves_reloads_and_its_card_names_the_family(family, tmp_path):
     source = tokenized_folder(tmp_path / "source", family)
     folder = encoderstack.convert(source, tmp_path / "converted")
@@ -297,3 +306,36 @@ def test_onnx_int8_export_of_a_converted_post_or_pre_ln_roberta_keeps_its_argmax
         expected = encoderstack.EncoderStackForMaskedLM.from_pretrained(folder).eval()(**inputs).logits
     real = inputs["attention_mask"].bool()
     assert (logits[real].argmax(-1) == expected[real].argmax(-1)).float().mean() >= 0.9
+
+
+def test_a_converted_albert_pre_training_model_exports_to_onnx_with_the_references_logits(tmp_path):
+    """Its masked-LM and sentence-order logits, through the shared layers, as `AlbertForPreTraining` gives them."""
+    from encoderstack.exporters import RECORD, load_exported
+
+    source = family_folder(tmp_path / "albert", "albert", "ForPreTraining")
+    folder = encoderstack.convert(source, tmp_path / "es", verify=False)
+    exported = encoderstack.export_onnx(folder, tmp_path / "onnx")
+    rows = json.loads((exported / RECORD).read_text())["parity"]["results"]["onnxruntime"]
+    assert {row["output"] for row in rows} == {"prediction_logits", "sop_logits"}
+    assert all(row["max_abs_diff"] <= 1e-5 for row in rows)
+    inputs, _ = right_padded_batch("ForPreTraining", "albert")
+    outputs = load_exported(exported)(**inputs, token_type_ids=torch.zeros_like(inputs["input_ids"]))
+    with torch.no_grad():
+        expected = transformers.AlbertForPreTraining.from_pretrained(source).eval()(**inputs)
+    mask = inputs["attention_mask"].bool()
+    logits = torch.as_tensor(outputs["prediction_logits"])[mask]
+    torch.testing.assert_close(logits, expected.prediction_logits[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.as_tensor(outputs["sop_logits"]), expected.sop_logits, atol=1e-5, rtol=0)
+
+
+def test_continued_masked_lm_pretraining_of_a_converted_albert_keeps_one_stored_layer(tmp_path):
+    """`pretrain` (masked LM) from ALBERT's pre-training checkpoint: Trainer's checkpoints and the output folder keep
+    the one shared layer, and the eval loss falls."""
+    source = tokenized_folder(tmp_path / "source", "albert", "ForPreTraining")
+    folder = encoderstack.convert(source, tmp_path / "converted")
+    settings = {"max_length": 32, "batch_size": 8, "max_steps": 4, "eval_steps": 2, "lr": 3e-3, "seed": 0}
+    corpus = stdlib_corpus(tmp_path / "corpus.txt", max_bytes=6_000)
+    record = pretrain(model=folder, train=corpus, output=tmp_path / "out", **settings)
+    assert record["eval_loss_after"] < record["eval_loss_before"]
+    model = encoderstack.EncoderStackForMaskedLM.from_pretrained(tmp_path / "out")
+    assert (model.config.num_hidden_layers, len(model.model.layers), model.config.head_layout) == (2, 1, "albert")

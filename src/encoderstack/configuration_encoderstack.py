@@ -180,7 +180,8 @@ class Heads:
     masked-LM head's activation (None: `hidden_act`); whether the bare encoder has BERT's pooler at all; whether the
     per-token classifiers also get the dense layer and activation first, and whether a norm follows them (ModernBERT's
     prediction head); and what the masked-LM head is: `"transform"` (dense, activation, norm, decoder: BERT's),
-    `"decoder"` (the decoder alone) or `"two_layer"` (dense, activation, dense back, activation, decoder)."""
+    `"decoder"` (the decoder alone) or `"two_layer"` (dense, activation, dense back, activation, decoder); and which
+    sentence-pair task the pre-training head predicts."""
 
     sequence: str | None = None  # sequence classification
     choice: str | None = None  # multiple choice
@@ -189,6 +190,8 @@ class Heads:
     pooler: bool = True
     transform_norm: bool = False
     lm: str = "transform"
+    # the pre-training head's sentence-pair task on the pooled output: BERT's next sentence, ALBERT's sentence order
+    sentence_pair: Literal["next_sentence", "sentence_order"] = "next_sentence"
 
 
 # The one registry of head layouts: `head_layout` accepts its names, in this order.
@@ -202,6 +205,7 @@ HEADS = {
     "ultrabert": Heads(lm_act="gelu_pytorch_tanh", pooler=False, lm="two_layer"),
     "neobert": Heads(sequence="tanh", pooler=False, lm="decoder"),
     "deberta": Heads(sequence="gelu", choice="gelu", pooler=False),  # its ContextPooler; BERT's masked-LM head
+    "albert": Heads(sentence_pair="sentence_order"),
 }
 HeadLayout = Literal[tuple(HEADS)]
 HEAD_LAYOUTS = get_args(HeadLayout)
@@ -291,7 +295,8 @@ class EncoderStackConfig(PreTrainedConfig):
         directly, the masked-LM head two projections through `prediction_head_size`, each followed by gelu (tanh);
         `"neobert"`: sequence classification dense and tanh on the first token, the masked-LM head the decoder alone;
         `"deberta"`: DeBERTa's ContextPooler (dense and gelu on the first token) for sequence classification and
-        multiple choice, BERT's masked-LM head. No pooler in these five.
+        multiple choice, BERT's masked-LM head. No pooler in these five. `"albert"`: BERT's heads, with a
+        sentence-order head (ALBERT's) in place of the next-sentence head in pre-training.
     classifier_pooling (`str`, defaults to `"first"`):
         What the sequence-level heads read: `"first"` (each sequence's first real token), `"mean"` (the mean of its
         real tokens) or `"late"` (EuroBERT: the head's logits on every real token, averaged).
@@ -339,6 +344,16 @@ class EncoderStackConfig(PreTrainedConfig):
     norm_rel_ebd (`str`, defaults to `"none"`):
         `relative_attention="disentangled"`: `"layer_norm"` normalizes the relative-position embeddings once per
         forward (DeBERTa-v3), `"none"` leaves them as they are.
+    num_hidden_groups (`int`, *optional*):
+        Layer sharing, ALBERT's: the layers, in blocks of `inner_group_num`, are split in order into this many
+        groups, and every block of a group runs the same `inner_group_num` stored layers (block b of B uses group
+        `int(b / (B / num_hidden_groups))`, as ALBERT's). Each stored layer is saved once, and its gradient sums over
+        its uses. `num_hidden_layers` counts the layers run (ALBERT's counts the blocks: an ALBERT config has
+        `inner_group_num` times fewer). `None`: every layer its own weights. Layers that share weights share their
+        norm placement row, layer type and scales too: a config where these differ between them (Mix-LN across a
+        group boundary, LayerNorm Scaling, Admin's profiled scales, ModernBERT's first layer) is refused.
+    inner_group_num (`int`, defaults to 1):
+        The distinct layers in each group, run in order (ALBERT's); `num_hidden_layers` must be a multiple of it.
     sparse_prediction (`bool`, defaults to `True`):
         Masked-LM heads in training with labels run the prediction head, its logits and the loss on the labelled
         tokens only (as ModernBERT's `sparse_prediction`): the same loss, a fraction of the vocabulary projection's
@@ -393,6 +408,8 @@ class EncoderStackConfig(PreTrainedConfig):
     share_att_key: bool = False
     pos_att_type: list[Literal["c2p", "p2c"]] | None = None
     norm_rel_ebd: Literal["none", "layer_norm"] = "none"
+    num_hidden_groups: int | None = None
+    inner_group_num: int = 1
 
     def __post_init__(self, **kwargs):
         # Not a field: only a rotary config has the attribute, which transformers then standardizes (flat or per type)
@@ -424,6 +441,54 @@ class EncoderStackConfig(PreTrainedConfig):
             }
             for layer_type in LAYER_TYPES
         }
+
+    def stored_layer_of(self) -> list[int]:
+        """For each layer in order, the stored layer whose weights it runs: its own index without sharing; ALBERT's
+        grouping with `num_hidden_groups`."""
+        inner = self.inner_group_num
+        blocks = self.num_hidden_layers // inner
+        groups = self.num_hidden_groups or blocks
+        return [int(block / (blocks / groups)) * inner + j for block in range(blocks) for j in range(inner)]
+
+    def check_layer_sharing(self):
+        """Layers that run the same stored layer must agree on what the layer's construction reads from its index."""
+        inner = self.inner_group_num
+        if inner <= 0 or self.num_hidden_layers % inner:
+            raise ValueError(
+                f"`inner_group_num` must be a positive divisor of `num_hidden_layers` ({self.num_hidden_layers}), got "
+                f"{inner}."
+            )
+        blocks = self.num_hidden_layers // inner
+        if self.num_hidden_groups is not None and not 0 < self.num_hidden_groups <= blocks:
+            raise ValueError(
+                f"`num_hidden_groups` must lie in [1, {blocks}] (`num_hidden_layers` / `inner_group_num`) or be None, "
+                f"got {self.num_hidden_groups}."
+            )
+        placement = PLACEMENTS[self.norm_placement]
+
+        def built_from(index):
+            rows = [placement.at(self, index, sublayer) for sublayer in ("attention", "mlp")]
+            layer_type = self.layer_types[index] if self.layer_types is not None else "full_attention"
+            return layer_type, *rows, *(row.input_scale(index + 1) for row in rows)
+
+        first = {}
+        for index, stored in enumerate(self.stored_layer_of()):
+            shared_with = first.setdefault(stored, index)
+            if shared_with == index:
+                continue
+            if placement.omega:
+                raise ValueError(
+                    "norm_placement 'admin' profiles a shortcut scale for every layer; with layer sharing "
+                    f"(`num_hidden_groups` {self.num_hidden_groups}) layers {shared_with} and {index} would share one."
+                )
+            names = ("layer type", "attention's norm row", "FFN's norm row", "attention's scale", "FFN's scale")
+            differ = [name for name, a, b in zip(names, built_from(shared_with), built_from(index)) if a != b]
+            if differ:
+                raise ValueError(
+                    f"Layers {shared_with} and {index} share weights (`num_hidden_groups` {self.num_hidden_groups}, "
+                    f"`inner_group_num` {inner}) but differ in their {' and '.join(differ)} (norm_placement "
+                    f"{self.norm_placement!r}, `layer_types`): layers that share weights must be built alike."
+                )
 
     def validate_architecture(self):
         """Part of `@strict` validation: every message names the field and the offending value."""
@@ -496,6 +561,7 @@ class EncoderStackConfig(PreTrainedConfig):
         for name in ("layer_norm_eps", "initializer_range", "rope_theta", "resi_dual_scale", "dyt_alpha_init"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"`{name}` must be a positive finite number, got {getattr(self, name)}.")
+        self.check_layer_sharing()
 
     def check_relative_attention(self):
         if "sliding_attention" in (self.layer_types or ()):

@@ -38,9 +38,9 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_encoderstack import (  # noqa: F401 (Placement, PLACEMENTS, Heads: their old home, kept)
     GATED_ACTIVATIONS,
-    AttentionProjection,
     HEADS,
     PLACEMENTS,
+    AttentionProjection,
     EncoderStackConfig,
     Heads,
     Placement,
@@ -654,7 +654,11 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         self.rotary = EncoderStackRotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         relative = {"bias": RelativePositionBias, "disentangled": DisentangledPositions}.get(config.relative_attention)
         self.relative_attention = relative(config) if relative is not None else None
-        self.layers = nn.ModuleList(EncoderStackLayer(config, index) for index in range(config.num_hidden_layers))
+        # `layers` holds each stored layer once (built as its first use); `layer_order`, the stored layer each runs
+        self.layer_order = config.stored_layer_of()
+        self.layers = nn.ModuleList(
+            EncoderStackLayer(config, self.layer_order.index(stored)) for stored in range(max(self.layer_order) + 1)
+        )
         self.final = EncoderStackFinal(config)
         pooled = add_pooling_layer and HEADS[config.head_layout].pooler
         self.pooler = EncoderStackPooler(config) if pooled else None
@@ -710,7 +714,8 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         # in the compute dtype: under autocast, float32 tables would promote bfloat16 queries and keys back to float32
         rotary = self.rotary(position_ids, plan.facts.dtype) if self.rotary is not None else None
         dual = None
-        for layer in self.layers:
+        for stored in self.layer_order:
+            layer = self.layers[stored]
             mask = masks[plan.runs_as(layer.layer_type)]
             hidden_states, dual = layer(hidden_states, dual, mask, rotary, plan=plan, positions=positions, **kwargs)
         hidden_states = self.final(hidden_states, dual)
@@ -745,11 +750,13 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
 
 @dataclass
 class EncoderStackForPreTrainingOutput(ModelOutput):
-    """Masked-LM and next-sentence logits; `loss` is their sum when both label sets are given."""
+    """Masked-LM and sentence-pair logits, next sentence (BERT's name) or sentence order (ALBERT's, `sop_logits`) as
+    the layout's head predicts; `loss` is their sum when both label sets are given."""
 
     loss: torch.Tensor | None = None
     prediction_logits: torch.Tensor | None = None
     seq_relationship_logits: torch.Tensor | None = None
+    sop_logits: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
 
@@ -1018,8 +1025,14 @@ class EncoderStackForMaskedLM(EncoderStackHead):
         return MaskedLMOutput(loss=loss, logits=logits, **encoded.recorded)
 
 
+PAIR_LOGITS = {"next_sentence": "seq_relationship_logits", "sentence_order": "sop_logits"}  # the families' names
+
+
 class EncoderStackForPreTraining(EncoderStackHead):
-    """Masked LM + next-sentence prediction, as BERT was pre-trained.
+    """Masked LM + next-sentence prediction, as BERT was pre-trained; or + sentence-order prediction, ALBERT's, where
+    the layout says so (`Heads.sentence_pair`): the same 2-way classifier on the pooled output (after the classifier
+    dropout, as ALBERT's), whose labels say whether the two segments are swapped (`next_sentence_label`, or
+    ALBERT's name for it, `sentence_order_label`).
 
     The two losses count different items (masked tokens, sentence pairs), so Trainer's single `num_items_in_batch`
     cannot normalize both: this head returns per-batch means and lets Trainer divide by the accumulation steps.
@@ -1037,7 +1050,11 @@ class EncoderStackForPreTraining(EncoderStackHead):
             )
         super().__init__(config)
         self.lm_head = EncoderStackLMHead(config)
-        self.next_sentence = nn.Linear(config.hidden_size, 2)
+        # the sentence-pair classifier is named for its task: `next_sentence` (BERT) or `sentence_order` (ALBERT)
+        self.pair_task = HEADS[config.head_layout].sentence_pair
+        setattr(self, self.pair_task, nn.Linear(config.hidden_size, 2))
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.pair_dropout = nn.Dropout(dropout if self.pair_task == "sentence_order" else 0.0)  # BERT's has none
         self.post_init()
 
     def get_output_embeddings(self):
@@ -1058,20 +1075,20 @@ class EncoderStackForPreTraining(EncoderStackHead):
         next_sentence_label: torch.Tensor | None = None,
         **kwargs: Unpack[EncoderStackKwargs],
     ) -> EncoderStackForPreTrainingOutput:
+        sentence_order_label = kwargs.pop("sentence_order_label", None)  # ALBERT's name for the same labels
+        next_sentence_label = sentence_order_label if next_sentence_label is None else next_sentence_label
         mlm_labels = labels if next_sentence_label is not None else None
         inputs = (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         encoded = self.encode(*inputs, labels=mlm_labels, **kwargs)
         sparse = self.training and self.config.sparse_prediction
         prediction_logits, loss = encoded.per_token(self.lm_head, mlm_labels, sparse=sparse)
-        seq_relationship_logits = self.next_sentence(encoded.outputs.pooler_output)
+        pair_logits = getattr(self, self.pair_task)(self.pair_dropout(encoded.outputs.pooler_output))
         if loss is not None:
-            check_shape("next_sentence_label", next_sentence_label, seq_relationship_logits.shape[:1], "the sequences")
-            loss = loss + cross_entropy(seq_relationship_logits, next_sentence_label)
+            check_shape("next_sentence_label", next_sentence_label, pair_logits.shape[:1], "the sequences")
+            loss = loss + cross_entropy(pair_logits, next_sentence_label)
+        name = PAIR_LOGITS[self.pair_task]
         return EncoderStackForPreTrainingOutput(
-            loss=loss,
-            prediction_logits=prediction_logits,
-            seq_relationship_logits=seq_relationship_logits,
-            **encoded.recorded,
+            loss=loss, prediction_logits=prediction_logits, **{name: pair_logits}, **encoded.recorded
         )
 
 

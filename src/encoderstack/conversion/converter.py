@@ -295,7 +295,7 @@ def plan(source: Source, task_name: str | None = None) -> Plan:
     other_heads = {pair: other.name for other in TASKS.values() if other != task for pair in family.head_keys_of(other)}
     blocks, skipped = {}, dict(source.skipped)  # blocks: target -> (block count, {block index: SourceRows})
     for key, (name, transpose) in sorted(source_names.items()):
-        target = translate(name, family.encoder_keys)
+        target = translate(name, family.encoder_keys, inner_group_num=config.inner_group_num)
         pieces = (
             [prefixed(piece, prefix) for piece in as_pieces(target)]
             if target
@@ -531,23 +531,30 @@ EXPORT_FAMILIES = {family.head_layout: name for name, family in FAMILIES.items()
 
 
 def export_family(config: EncoderStackConfig, folder: Path) -> str:
-    """The family whose own classes express this folder's layout (BERT, or RoBERTa for a converted RoBERTa)."""
+    """The family whose own classes express this folder's layout (BERT, RoBERTa for a converted RoBERTa, ALBERT for a
+    converted ALBERT)."""
     family = EXPORT_FAMILIES.get(config.head_layout)
     if family is None:
         targets = " nor ".join(EXPORT_FAMILIES.values())
         raise ConversionError(f"{folder}: head_layout {config.head_layout!r} is exported to neither {targets}")
     offset = config.pad_token_id + 1 if family == "roberta" and config.pad_token_id is not None else None
+    try:
+        own = FAMILIES[family].export_fields(config)  # what its config has beyond BERT's (ALBERT: sharing, E)
+    except ConversionError as error:
+        raise ConversionError(f"{folder}: {error}") from None
     unsupported = {
         "norm_placement": (config.norm_placement, "post"),
         "norm_type": (config.norm_type, "layernorm"),
         "embedding_norm": (config.embedding_norm, True),
         "position_embedding_type": (config.position_embedding_type, "absolute"),
         "embedding_size": (config.embedding_size, None),
+        "num_hidden_groups": (config.num_hidden_groups, None),
+        "inner_group_num": (config.inner_group_num, 1),
         "position_offset": (config.position_offset, offset),
         "relative_attention": (config.relative_attention, None),
     }
     for field_name, (value, family_value) in unsupported.items():
-        if value != family_value:
+        if field_name not in own and value != family_value:
             raise ConversionError(
                 f"{folder}: {family} cannot express {field_name}={value!r} ({family} has {family_value!r})"
             )
@@ -560,7 +567,8 @@ def export_family(config: EncoderStackConfig, folder: Path) -> str:
 
 def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
     """A post-LN EncoderStack folder back to its family's own classes: a plain BERT folder (`BertModel` / the matching
-    `BertFor*`), or RoBERTa's (`RobertaModel` / `RobertaFor*`) for a converted RoBERTa, XLM-R or CamemBERT."""
+    `BertFor*`), RoBERTa's (`RobertaModel` / `RobertaFor*`) for a converted RoBERTa, XLM-R or CamemBERT, or ALBERT's
+    for a converted ALBERT (its shared layers and projected embeddings)."""
     folder = Path(encoderstack_path)
     config = read_config(folder)
     if config.get("model_type") != "encoderstack":
@@ -583,7 +591,7 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
     mapped = {}
     for key in tensors.keys():  # noqa: SIM118  (a lazy weights reader, not a dict)
         encoder_key = key.removeprefix(prefix) if key.startswith(prefix) else None
-        name = translate(encoder_key, family.encoder_keys, reverse=True) if encoder_key else None
+        name = translate(encoder_key, family.encoder_keys, True, config.inner_group_num) if encoder_key else None
         head = translate(key, family.head_keys_of(task), reverse=True)
         exported = ("" if task.name == "feature-extraction" else family.key_prefix) + name if name else head
         if exported is None:
@@ -593,10 +601,12 @@ def export_bert(encoderstack_path, output_path, force: bool = False) -> Path:
         # untied, transformers 5 reads the decoder's own copy of the bias (it ties the two only with the embeddings)
         own_bias = next(name for name in DECODER_OWN_BIASES if name in family.skipped)
         mapped[own_bias] = (SourceRows("lm_head.decoder.bias"),)
-    family_config = {name: getattr(config, name) for name in BERT_FIELDS}
+    config_class = getattr(transformers, family.export_config)
+    family_config = {name: getattr(config, name) for name in BERT_FIELDS if name in config_class.__dataclass_fields__}
+    family_config |= family.export_fields(config)
     output = OutputFolder(output_path, force, inputs=[folder])
     with output as partial:
-        getattr(transformers, family.export_config)(
+        config_class(
             **family_config, num_labels=config.num_labels, architectures=[family.architecture(task)]
         ).save_pretrained(partial)
         write_safetensors(partial / "model.safetensors", tensors, mapped)

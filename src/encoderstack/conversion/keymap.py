@@ -1,8 +1,9 @@
 """What a BERT-family checkpoint is in EncoderStack terms: the key map, the tasks, and the config fields.
 
 Everything here is data. The map is a list of (BERT key, EncoderStack key) templates that reads both ways, so
-`convert` and `export_bert` share it; `{i}` stands for a layer index and `{p}` for `weight` or `bias`. BERT keys
-are written without the `bert.` prefix of its heads, EncoderStack keys without the `model.` prefix of ours. Where a
+`convert` and `export_bert` share it; `{i}` stands for a layer index (ALBERT's `{g}` and `{j}`: a group and a layer in
+it) and `{p}` for `weight` or `bias`. BERT keys are written without the `bert.` prefix of its heads, EncoderStack keys
+without the `model.` prefix of ours. Where a
 target is not one source tensor as it is, the EncoderStack side is a `Piece` (some rows of the source, or one row
 block of the target), or a tuple of them when one source tensor feeds several targets (a fused QKV projection).
 `FAMILIES` holds every source family (BERT, Megatron-BERT, RoBERTa and its kin): its class and key prefixes, the
@@ -199,7 +200,7 @@ SKIPPED_KEYS = {
 
 # The decoder's own name for its bias, where a head stores the bias twice (the key maps map the head's copy, BERT's
 # `cls.predictions.bias`, RoBERTa's `lm_head.bias`): skipped where the copies are equal, read where they differ.
-DECODER_OWN_BIASES = ("cls.predictions.decoder.bias", "lm_head.decoder.bias")
+DECODER_OWN_BIASES = ("cls.predictions.decoder.bias", "lm_head.decoder.bias", "predictions.decoder.bias")
 
 ROBERTA_LM_HEAD_KEYS = (
     ("lm_head.dense.{p}", "lm_head.dense.{p}"),
@@ -256,6 +257,8 @@ class Family:
     architecture_names: dict = field(default_factory=dict)  # task name -> class name, where not prefix + suffix
     original_prefixes: tuple = ()  # the encoder's prefix in the release transformers ports, where it differs
     export_config: str | None = None  # export_bert: the transformers config class of the folder it writes
+    # export_bert: the fields its config takes beyond BERT's, from ours (ConversionError where it has no value for one)
+    export_fields: Callable[[object], dict] = lambda config: {}
     # convert's parity reference: the family's own transformers class for the task (`architecture`), where there is one
     transformers_reference: bool = True
 
@@ -846,6 +849,101 @@ FAMILIES["mpnet"] = roberta_family(
 )
 
 
+# ALBERT's defaults where they differ from BERT's: its config.json may leave them out
+ALBERT_DEFAULTS = {
+    "vocab_size": 30000,
+    "embedding_size": 128,
+    "hidden_size": 4096,
+    "num_attention_heads": 64,
+    "intermediate_size": 16384,
+    "hidden_act": "gelu_new",
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+}
+
+
+def albert_fields(config: dict) -> dict:
+    """ALBERT: embeddings at `embedding_size`, always projected (ours only where the widths differ), and layer
+    sharing; its `num_hidden_layers` counts the blocks of `inner_group_num` layers, ours every layer run."""
+    fields = {name: config.get(name, default) for name, default in ALBERT_DEFAULTS.items()}
+    if fields["embedding_size"] == fields["hidden_size"]:
+        raise ConversionError(
+            f"ALBERT's embedding_size equal to hidden_size ({fields['hidden_size']}) is not supported (its "
+            "embedding projection is then a square matrix, which EncoderStack has only between different widths)"
+        )
+    inner = config.get("inner_group_num", 1)
+    return {
+        **fields,
+        "num_hidden_layers": config.get("num_hidden_layers", 12) * inner,
+        "num_hidden_groups": config.get("num_hidden_groups", 1),
+        "inner_group_num": inner,
+        "classifier_dropout": config.get("classifier_dropout_prob", 0.1),
+    }
+
+
+def albert_export_fields(config) -> dict:
+    """ALBERT's config fields of an EncoderStack config: its blocks of `inner_group_num` layers, its groups."""
+    if config.embedding_size is None:
+        raise ConversionError("albert cannot express embedding_size=None (ALBERT always projects its embeddings)")
+    blocks = config.num_hidden_layers // config.inner_group_num
+    dropout = config.classifier_dropout
+    return {
+        "embedding_size": config.embedding_size,
+        "num_hidden_layers": blocks,
+        "num_hidden_groups": config.num_hidden_groups or blocks,
+        "inner_group_num": config.inner_group_num,
+        "classifier_dropout_prob": config.hidden_dropout_prob if dropout is None else dropout,
+    }
+
+
+ALBERT_LAYER = "encoder.albert_layer_groups.{g}.albert_layers.{j}."
+ALBERT_LM_HEAD_KEYS = (
+    ("predictions.dense.{p}", "lm_head.dense.{p}"),
+    ("predictions.LayerNorm.{p}", "lm_head.norm.{p}"),
+    ("predictions.bias", "lm_head.decoder.bias"),
+    ("predictions.decoder.weight", "lm_head.decoder.weight"),
+)
+
+FAMILIES["albert"] = Family(
+    architecture_prefix="Albert",
+    key_prefix="albert.",
+    head_layout="albert",
+    fields=albert_fields,
+    export_config="AlbertConfig",
+    export_fields=albert_export_fields,
+    extra_encoder_keys=(
+        ("encoder.embedding_hidden_mapping_in.{p}", "embeddings.project.{p}"),
+        (ALBERT_LAYER + "attention.query.{p}", "layers.{i}.attention.query.{p}"),
+        (ALBERT_LAYER + "attention.key.{p}", "layers.{i}.attention.key.{p}"),
+        (ALBERT_LAYER + "attention.value.{p}", "layers.{i}.attention.value.{p}"),
+        (ALBERT_LAYER + "attention.dense.{p}", "layers.{i}.attention.output.{p}"),
+        (ALBERT_LAYER + "attention.LayerNorm.{p}", "layers.{i}.attention_residual.norm_out.{p}"),
+        (ALBERT_LAYER + "ffn.{p}", "layers.{i}.mlp.up.{p}"),
+        (ALBERT_LAYER + "ffn_output.{p}", "layers.{i}.mlp.down.{p}"),
+        (ALBERT_LAYER + "full_layer_layer_norm.{p}", "layers.{i}.mlp_residual.norm_out.{p}"),
+        ("pooler.{p}", "pooler.dense.{p}"),
+    ),
+    head_keys={
+        "fill-mask": ALBERT_LM_HEAD_KEYS,
+        "pretraining": (*ALBERT_LM_HEAD_KEYS, ("sop_classifier.classifier.{p}", "sentence_order.{p}")),
+    },
+    tasks=(
+        "feature-extraction",
+        "fill-mask",
+        "pretraining",
+        "text-classification",
+        "token-classification",
+        "question-answering",
+        "multiple-choice",
+    ),
+    skipped={
+        "embeddings.position_ids": SKIPPED_KEYS["embeddings.position_ids"],
+        "embeddings.token_type_ids": SKIPPED_KEYS["embeddings.token_type_ids"],
+        "predictions.decoder.bias": "same tensor as predictions.bias (ALBERT ties the two)",
+    },
+)
+
+
 def deberta_fields(config: dict, v1: bool = False) -> dict:
     """DeBERTa: BERT's post-LN layers with disentangled attention (relative-position embeddings shared by the layers,
     projected in each, as c2p and p2c terms in its scores), absolute positions at the input only where
@@ -949,7 +1047,6 @@ FAMILIES |= {
 
 # Families that transformers has but EncoderStack's layers cannot express, and why.
 REFUSED_FAMILIES = {
-    "albert": "ALBERT shares one set of layer weights across the stack and factorizes the embeddings",
     "funnel": "Funnel-Transformer pools the sequence between blocks",
     "longformer": "Longformer's global tokens attend through their own query, key and value projections",
     "big_bird": "BigBird's block-sparse attention is not BERT's dense attention",
@@ -977,7 +1074,8 @@ BERT_FIELDS = (
     "problem_type",
 )
 
-_PLACEHOLDERS = {"i": r"(?P<i>\d+)", "p": r"(?P<p>weight|bias)"}
+# `{g}` and `{j}`: ALBERT's group and the layer inside it, our stored layer `{i}` = g * inner_group_num + j
+_PLACEHOLDERS = {"i": r"(?P<i>\d+)", "p": r"(?P<p>weight|bias)", "g": r"(?P<g>\d+)", "j": r"(?P<j>\d+)"}
 
 
 def _compile(template: str) -> re.Pattern:
@@ -987,18 +1085,24 @@ def _compile(template: str) -> re.Pattern:
     return re.compile(pattern + r"\Z")
 
 
-def translate(key: str, pairs, reverse: bool = False):
+def translate(key: str, pairs, reverse: bool = False, inner_group_num: int = 1):
     """The other side's name of `key` under the first matching (BERT, EncoderStack) template, or None; forward, a
-    `Piece` or a tuple of them where the template says so. Reverse, only plain names translate."""
+    `Piece` or a tuple of them where the template says so. Reverse, only plain names translate. `inner_group_num`:
+    the layers in each of ALBERT's groups (`{g}`, `{j}`), numbered in order as our stored layers (`{i}`)."""
     for bert, ours in pairs:
         if reverse and not isinstance(ours, str):
             continue
         source, target = (ours, bert) if reverse else (bert, ours)
         match = _compile(source).match(key)
         if match:
+            groups = match.groupdict()
+            if "g" in groups:
+                groups["i"] = int(groups.pop("g")) * inner_group_num + int(groups.pop("j"))
+            elif reverse and "{g}" in target:
+                groups["g"], groups["j"] = divmod(int(groups["i"]), inner_group_num)
             if isinstance(target, tuple):
-                return tuple(piece.format(**match.groupdict()) for piece in target)
-            return target.format(**match.groupdict())
+                return tuple(piece.format(**groups) for piece in target)
+            return target.format(**groups)
     return None
 
 

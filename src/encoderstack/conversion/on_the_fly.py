@@ -123,7 +123,7 @@ def load_converted(model_class, name_or_path, *args, **kwargs):
     """`EncoderStackFor*.from_pretrained` on a BERT-family checkpoint: loaded through transformers' key mapping
     (`on_the_fly`), or where that cannot express the source, converted into a temporary folder and loaded there.
     Returns None for an EncoderStack folder (or a Hub id, or no path), which then loads the ordinary way; a folder of
-    a family EncoderStack cannot express (ALBERT, DeBERTa, ...) is refused as `convert` refuses it: transformers would
+    a family EncoderStack cannot express (DeBERTa, Funnel, ...) is refused as `convert` refuses it: transformers would
     load it as a mostly random model."""
     if not isinstance(name_or_path, (str, os.PathLike)):  # None with a config and a state_dict: nothing to convert
         return None

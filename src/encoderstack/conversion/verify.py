@@ -27,6 +27,7 @@ OUTPUTS = (
     "logits",
     "prediction_logits",
     "seq_relationship_logits",
+    "sop_logits",
     "start_logits",
     "end_logits",
 )

@@ -80,6 +80,15 @@ def table_cell(value) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+def layer_count(config) -> str:
+    """The depth, and the layers stored where some share weights (ALBERT's groups)."""
+    stored = len(set(config.stored_layer_of()))
+    if stored == config.num_hidden_layers:
+        return str(config.num_hidden_layers)
+    groups = f"`num_hidden_groups` {config.num_hidden_groups}, `inner_group_num` {config.inner_group_num}"
+    return f"{config.num_hidden_layers}, sharing {stored} stored layers ({groups})"
+
+
 def architecture_rows(config: EncoderStackConfig, class_name: str) -> list[tuple[str, str]]:
     with torch.device("meta"):
         parameters = sum(p.numel() for p in getattr(modeling_encoderstack, class_name)(config).parameters())
@@ -117,7 +126,7 @@ def architecture_rows(config: EncoderStackConfig, class_name: str) -> list[tuple
             f"`{class_name}`" + (f" (loads with `{AUTO_CLASSES[class_name]}`)" if class_name in AUTO_CLASSES else ""),
         ),
         ("norm placement", f"`{config.norm_placement}`: {PLACEMENT_REGISTRY[config.norm_placement].equation}"),
-        ("layers", config.num_hidden_layers),
+        ("layers", layer_count(config)),
         ("hidden size", config.hidden_size),
         (
             "attention heads",
