@@ -321,14 +321,14 @@ def test_a_disentangled_config_that_cannot_run_is_refused_naming_the_field(field
 def test_attention_bias_as_a_list_gives_a_bias_to_the_projections_it_names_only():
     """DeBERTa v1's: the query, value, output and position query projections have biases, the key and position key
     none; a name that is no projection is refused."""
-    from huggingface_hub.errors import StrictDataclassClassValidationError as ValidationError
+    from huggingface_hub.errors import StrictDataclassFieldValidationError
 
     named = ["query", "value", "output", "position_query"]
     fields = {**DEBERTA_LIKE, "share_att_key": False, "attention_bias": named}
     attention = build(encoderstack.EncoderStackModel, **fields).layers[0].attention
     for name in ("query", "key", "value", "output", "position_key", "position_query"):
         assert (getattr(attention, name).bias is not None) == (name in named), name
-    with pytest.raises(ValidationError, match="attention_bias"):
+    with pytest.raises(StrictDataclassFieldValidationError, match="field 'attention_bias'"):
         encoderstack.EncoderStackConfig(attention_bias=["query", "keys"])
 
 
