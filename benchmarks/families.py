@@ -26,6 +26,7 @@ FAMILIES = {  # model_type -> its transformers class
     "ultrabert": "UltrabertModel",
     "mpnet": "MPNetModel",
     "deberta-v2": "DebertaV2Model",
+    "deberta": "DebertaModel",
 }
 # DeBERTa-v3's layout (its config's defaults are v2's): disentangled attention over 256 log buckets, the position
 # projections shared with the content ones, no absolute positions, no token types
@@ -52,6 +53,9 @@ def family_pair(family, spec, max_length, folder):
     extra = {"hidden_dim": fields["intermediate_size"], "embedding_size": fields["hidden_size"] // 2}
     if family == "deberta-v2":  # embeddings as wide as the layers (EncoderStack refuses DeBERTa's embed_proj)
         extra = {**DEBERTA_V3, "embedding_size": fields["hidden_size"]}
+    if family == "deberta":  # deberta-base's layout: disentangled attention, no absolute positions
+        extra = {"relative_attention": True, "pos_att_type": ["c2p", "p2c"], "position_biased_input": False}
+        extra |= {"type_vocab_size": 0, "embedding_size": fields["hidden_size"]}
     config = transformers.AutoConfig.for_model(family, **fields, **extra)
     torch.manual_seed(0)
     reference = getattr(transformers, FAMILIES[family])(config)
@@ -103,7 +107,7 @@ def main():
                         ]
                     )
     print(f"{iterations} interleaved rounds per cell, medians; both SDPA, same weights, same batch")
-    print("MPNetModel and DebertaV2Model run eager whatever is asked (no AttentionInterface); ours SDPA")
+    print("MPNetModel and the DeBERTa classes run eager whatever is asked (no AttentionInterface); ours SDPA")
     common.print_table(
         rows,
         ["model", "family", "reference", "batch", "lengths", "real", "padding-free speed-up", "ideal", "of ideal"],

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 from conftest import real
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import encoderstack
 from encoderstack.configuration_encoderstack import HEAD_LAYOUTS
@@ -372,6 +372,28 @@ def test_a_deberta_v3_folder_converts_with_recorded_parity_and_loads_on_the_fly(
     with torch.no_grad():
         torch.testing.assert_close(ours(**inputs).logits, reference(**inputs).logits, atol=1e-5, rtol=0)
     assert {path.name for path in tmp_path.iterdir()} == {"deberta", "out"}
+
+
+def test_a_deberta_v3_release_without_architectures_converts_its_encoder_and_skips_its_discriminator(tmp_path):
+    """microsoft/deberta-v3-base's layout: no `architectures`, the masked-LM head as `lm_predictions` (legacy=false)
+    and the replaced-token-detection head `mask_predictions`, both beside the encoder; the encoder converts with
+    parity, the heads are skipped with their reasons."""
+    source = family_folder(tmp_path / "deberta", "deberta-v2", "ForMaskedLM", legacy=False)
+    tensors = load_file(source / "model.safetensors")
+    hidden = tensors["deberta.embeddings.LayerNorm.weight"].shape[0]
+    shapes = {"dense.weight": (hidden, hidden), "dense.bias": (hidden,), "LayerNorm.weight": (hidden,)}
+    shapes |= {"LayerNorm.bias": (hidden,), "classifier.weight": (1, hidden), "classifier.bias": (1,)}
+    tensors |= {f"mask_predictions.{name}": torch.randn(shape) for name, shape in shapes.items()}
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "architectures": None}))
+    folder = encoderstack.convert(source, tmp_path / "out")
+    report = json.loads((folder / "conversion.json").read_text())
+    assert report["task"] == "feature-extraction"
+    assert all(r["max_abs_diff"] <= 1e-5 for v in report["parity"]["results"].values() for r in v)
+    skipped = report["skipped"]
+    assert "replaced-token-detection head" in skipped["mask_predictions.classifier.weight"]
+    assert "head of task 'fill-mask'" in skipped["lm_predictions.lm_head.dense.weight"]
 
 
 @pytest.mark.parametrize(

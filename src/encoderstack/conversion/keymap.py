@@ -1005,9 +1005,20 @@ DEBERTA_HEADS = {
 }
 
 
+# DeBERTa-v3's releases also hold its pre-training discriminator, which transformers' classes ignore (as they do here)
+DEBERTA_SKIPPED = {
+    **SKIPPED_KEYS,
+    **{
+        f"mask_predictions.{part}.{p}": "DeBERTa-v3's replaced-token-detection head, which transformers' classes ignore"
+        for part in ("dense", "LayerNorm", "classifier")
+        for p in ("weight", "bias")
+    },
+}
+
+
 def deberta_family(**declaration) -> Family:
     deberta = {"key_prefix": "deberta.", "head_layout": "deberta", "head_keys": DEBERTA_HEADS, "tasks": ROBERTA_TASKS}
-    return Family(**{**deberta, **declaration})
+    return Family(**{**deberta, "skipped": DEBERTA_SKIPPED, **declaration})
 
 
 FAMILIES |= {
