@@ -375,9 +375,10 @@ def test_a_deberta_v3_folder_converts_with_recorded_parity_and_loads_on_the_fly(
 
 
 def test_a_deberta_v3_release_without_architectures_converts_its_encoder_and_skips_its_discriminator(tmp_path):
-    """microsoft/deberta-v3-base's layout: no `architectures`, the masked-LM head as `lm_predictions` (legacy=false)
-    and the replaced-token-detection head `mask_predictions`, both beside the encoder; the encoder converts with
-    parity, the heads are skipped with their reasons."""
+    """microsoft/deberta-v3-base's layout: no `architectures` and no `legacy` in its config, the masked-LM head as
+    `lm_predictions` (what its class reads with legacy=false) and the replaced-token-detection head
+    `mask_predictions`, both beside the encoder; the encoder converts with parity, the heads are skipped with their
+    reasons, and `task="fill-mask"` converts the masked LM with parity against the class that reads that head."""
     source = family_folder(tmp_path / "deberta", "deberta-v2", "ForMaskedLM", legacy=False)
     tensors = load_file(source / "model.safetensors")
     hidden = tensors["deberta.embeddings.LayerNorm.weight"].shape[0]
@@ -386,14 +387,20 @@ def test_a_deberta_v3_release_without_architectures_converts_its_encoder_and_ski
     tensors |= {f"mask_predictions.{name}": torch.randn(shape) for name, shape in shapes.items()}
     save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
+    config = {key: value for key, value in config.items() if key != "legacy"}
     (source / "config.json").write_text(json.dumps({**config, "architectures": None}))
-    folder = encoderstack.convert(source, tmp_path / "out")
-    report = json.loads((folder / "conversion.json").read_text())
-    assert report["task"] == "feature-extraction"
-    assert all(r["max_abs_diff"] <= 1e-5 for v in report["parity"]["results"].values() for r in v)
-    skipped = report["skipped"]
-    assert "replaced-token-detection head" in skipped["mask_predictions.classifier.weight"]
-    assert "head of task 'fill-mask'" in skipped["lm_predictions.lm_head.dense.weight"]
+    for task in ("feature-extraction", "fill-mask"):
+        folder = encoderstack.convert(source, tmp_path / task, task=None if task == "feature-extraction" else task)
+        report = json.loads((folder / "conversion.json").read_text())
+        assert report["task"] == task
+        assert all(r["max_abs_diff"] <= 1e-5 for v in report["parity"]["results"].values() for r in v)
+        assert "replaced-token-detection head" in report["skipped"]["mask_predictions.classifier.weight"]
+    assert (
+        "head of task 'fill-mask'"
+        in json.loads((tmp_path / "feature-extraction" / "conversion.json").read_text())["skipped"][
+            "lm_predictions.lm_head.dense.weight"
+        ]
+    )
 
 
 @pytest.mark.parametrize(

@@ -261,6 +261,8 @@ class Family:
     export_fields: Callable[[object], dict] = lambda config: {}
     # convert's parity reference: the family's own transformers class for the task (`architecture`), where there is one
     transformers_reference: bool = True
+    # (the conversion plan) -> what the reference's `from_pretrained` needs beyond the source's config.json
+    reference_kwargs: Callable[[object], dict] = lambda plan: {}
 
     def architecture(self, task: "Task") -> str:
         return self.architecture_names.get(task.name, self.architecture_prefix + task.bert_suffix)
@@ -1016,9 +1018,16 @@ DEBERTA_SKIPPED = {
 }
 
 
+def deberta_reference(plan) -> dict:
+    """A masked-LM head stored as `lm_predictions` (the v3 releases, whose configs leave `legacy` at its default, true)
+    is what DeBERTa's class reads with `legacy=false`; with the default it would start a fresh `cls` head."""
+    sources = (rows.key for pieces in plan.mapped.values() for rows in pieces)
+    return {"legacy": False} if any("lm_predictions." in key for key in sources) else {}
+
+
 def deberta_family(**declaration) -> Family:
     deberta = {"key_prefix": "deberta.", "head_layout": "deberta", "head_keys": DEBERTA_HEADS, "tasks": ROBERTA_TASKS}
-    return Family(**{**deberta, "skipped": DEBERTA_SKIPPED, **declaration})
+    return Family(**{**deberta, "skipped": DEBERTA_SKIPPED, "reference_kwargs": deberta_reference, **declaration})
 
 
 FAMILIES |= {
