@@ -25,6 +25,29 @@ from transformers.utils.generic import is_flash_attention_requested
 
 from .configuration_encoderstack import EncoderStackConfig
 
+ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+onednn_linear = torch.ops.mkldnn._linear_pointwise if ONEDNN_LINEAR else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear`, through oneDNN for float32 on the CPU where nothing records a gradient. torch's float32 CPU linear
+    is MKL's GEMM: 107 GFLOP/s on one AMD EPYC core (AVX-512) against oneDNN's 240, the whole MiniLM forward 1.8x
+    faster (docs/performance.md); on Intel cores oneDNN measured 1.15x. bf16 already runs through oneDNN. Autograd,
+    autocast, compilers and exporters keep `F.linear`: the op has no derivative, no autocast rule, no ONNX symbol."""
+    if (
+        ONEDNN_LINEAR
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and not (
+            torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad or bias is not None and bias.requires_grad)
+        )
+        and not torch.is_autocast_enabled("cpu")
+        and not (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export())
+    ):
+        return onednn_linear(x, weight, bias, "none", [], "")
+    return nn.functional.linear(x, weight, bias)
+
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
