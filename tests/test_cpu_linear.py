@@ -1,5 +1,6 @@
-"""Float32 CPU inference runs the model's projections through oneDNN (faster than torch's MKL linear, measured in
-docs/performance.md), with F.linear's numbers; training, autocast and compilers keep F.linear."""
+"""Float32 on the CPU runs the model's projections through oneDNN (faster than torch's MKL linear, measured in
+docs/performance.md), in inference and in training, with F.linear's numbers; autocast, bf16 and compilers keep
+F.linear."""
 
 import pytest
 import torch
@@ -38,18 +39,38 @@ def test_float32_inference_runs_every_projection_through_onednn_with_f_linear_s_
     torch.testing.assert_close(fast, plain, atol=1e-5, rtol=0)
 
 
-def test_a_forward_that_records_gradients_keeps_f_linear_and_its_gradients(onednn_calls):
-    model = build(encoderstack.EncoderStackForSequenceClassification).train()
+def gradients(model, monkeypatch, onednn: bool) -> dict:
+    monkeypatch.setattr(execution_encoderstack, "ONEDNN_LINEAR", onednn)
+    model.zero_grad()
     model(**batch(), labels=torch.tensor([0, 1, 0])).loss.backward()
+    return {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
+
+
+def test_training_runs_every_projection_s_three_gemms_through_onednn_with_f_linear_s_gradients(
+    onednn_calls, monkeypatch
+):
+    model = build(encoderstack.EncoderStackForSequenceClassification)  # eval: no dropout, the same graph twice
+    expected = gradients(model, monkeypatch, onednn=False)
     assert onednn_calls == []
-    assert model.model.layers[0].attention.query.weight.grad.abs().sum() > 0
+    actual = gradients(model, monkeypatch, onednn=True)
+    layer_projections = projections(model.model)
+    assert len(onednn_calls) == 3 * layer_projections  # forward, input gradient, weight gradient
+    assert actual.keys() == expected.keys() and len(expected) > 0
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_inference_with_frozen_weights_but_a_recorded_input_keeps_f_linear(onednn_calls):
+def test_frozen_weights_with_a_recorded_input_get_the_input_gradient_alone(onednn_calls, monkeypatch):
     model = build(encoderstack.EncoderStackModel).requires_grad_(False)
     embeds = torch.randn(2, 5, model.config.hidden_size, requires_grad=True)
     model(inputs_embeds=embeds).last_hidden_state.sum().backward()
-    assert onednn_calls == [] and embeds.grad is not None
+    projections_run = len(onednn_calls) // 2
+    assert len(onednn_calls) == 2 * projections_run > 0  # no weight gradient computed
+    fast = embeds.grad.clone()
+    monkeypatch.setattr(execution_encoderstack, "ONEDNN_LINEAR", False)
+    embeds.grad = None
+    model(inputs_embeds=embeds).last_hidden_state.sum().backward()
+    torch.testing.assert_close(fast, embeds.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_autocast_and_bfloat16_weights_keep_f_linear(onednn_calls):
