@@ -13,6 +13,7 @@ OpenVINO get as many threads as torch, and run as users run them, through `Expor
 """
 
 import copy
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,13 @@ VARIANTS = (
     "EncoderStack bf16",
 )
 WORKLOADS = ("full", "uniform")
+LIMIT_SIZE = 2048  # the side of the square GEMMs that measure the limit (one per library and precision, each cell)
+OF_LIMIT = {  # columns of achieved FLOP/s on real tokens / the best GEMM in that precision
+    "EncoderStack fp32": torch.float32,
+    "OpenVINO fp32": torch.float32,
+    "EncoderStack bf16": torch.bfloat16,
+    "OpenVINO bf16": torch.bfloat16,
+}
 
 
 def export(folder: Path, format_name: str) -> Path:
@@ -78,7 +86,11 @@ def main():
     # without AVX-512 BF16 or AMX, oneDNN has no bf16 matmul kernel and torch's fallback is several times slower
     print(f"oneDNN bf16 kernels on this CPU: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
     tokenizer = common.tokenizer()
-    rows = []
+    rows, limits = [], {}  # limits: dtype -> library -> GEMM FLOP/s, one per cell
+
+    def best(rates):  # the fastest library's median
+        return max(statistics.median(values) for values in rates.values())
+
     for spec in common.parse_models(args.models):
         with common.scratch_folder() as scratch:
             bert, ours = common.load_pair(spec, transformers.BertModel, encoderstack.EncoderStackModel, scratch)
@@ -103,6 +115,10 @@ def main():
                 }
                 with torch.inference_mode():
                     seconds, _ = common.interleave(variants, iterations, "cpu", peak_size=64)
+                    for dtype in (torch.float32, torch.bfloat16):
+                        for library, rate in common.gemm_rates("cpu", LIMIT_SIZE, dtype).items():
+                            limits.setdefault(dtype, {}).setdefault(library, []).append(rate)
+                flops = common.encoder_flops(bert.config, lengths)
                 reference = seconds["BertModel-sdpa"]
                 rows.append(
                     [
@@ -112,13 +128,19 @@ def main():
                         f"{sum(lengths) / (batch_size * width):.0%}",
                         common.format_rate(sum(lengths) / reference),
                         *(f"{reference / seconds[name]:.2f}" for name in VARIANTS),
+                        *(f"{flops / seconds[name] / best(limits[dtype]):.0%}" for name, dtype in OF_LIMIT.items()),
                     ]
                 )
     print(
         f"{iterations} interleaved rounds per cell, medians; cells: speed-up over BertModel-sdpa float32 in real "
         "tokens/s"
     )
-    common.print_table(rows, ["model", "batch", "lengths", "real", "BertModel-sdpa tok/s", *VARIANTS])
+    for dtype, rates in limits.items():
+        each = ", ".join(f"{library} {statistics.median(values) / 1e9:.0f}" for library, values in rates.items())
+        print(f"limit in {str(dtype).removeprefix('torch.')}: the best {LIMIT_SIZE}^2 GEMM ({each} GFLOP/s, medians)")
+    print("'% limit' columns: achieved FLOP/s on the real tokens / the limit in that column's precision")
+    limit_columns = [f"{name} % limit" for name in OF_LIMIT]
+    common.print_table(rows, ["model", "batch", "lengths", "real", "BertModel-sdpa tok/s", *VARIANTS, *limit_columns])
     print(f"reproduce: {common.command_line()}")
 
 

@@ -32,7 +32,7 @@ def main():
     )
     common.header("inference", args.device)
     tokenizer = common.tokenizer()
-    rows, peaks = [], []
+    rows = []
     for spec in common.parse_models(args.models):
         with common.scratch_folder() as folder:
             bert, ours = common.load_pair(spec, transformers.BertModel, encoderstack.EncoderStackModel, folder)
@@ -66,7 +66,6 @@ def main():
                         args.device,
                         args.peak_size,
                     )
-                peaks.append(peak)
                 flops = common.encoder_flops(bert.config, lengths)
                 reference = seconds["BertModel-sdpa"]
                 ideal = batch_size * width / sum(lengths)
@@ -83,10 +82,7 @@ def main():
                         f"{reference / seconds['EncoderStack padding-free'] / ideal:.0%}",
                     ]
                 )
-    print(
-        f"matmul peak {sum(peaks) / len(peaks) / 1e9:.0f} GFLOP/s ({args.peak_size}^2 float32 torch.matmul, mean of "
-        f"the per-cell medians); {iterations} interleaved rounds per cell, medians"
-    )
+    print(f"{common.peak_line(args.peak_size)}; {iterations} interleaved rounds per cell, medians")
     print("cells: speed-up over BertModel-sdpa in real tokens/s (achieved FLOP/s on real tokens / matmul peak)")
     common.print_table(
         rows, ["model", "batch", "lengths", "real", "BertModel-sdpa tok/s", *variants, "ideal", "padding-free/ideal"]

@@ -68,7 +68,7 @@ def main():
     common.setup(args)
     common.header("training step (forward + backward + AdamW, dropout on)", args.device)
     tokenizer = common.tokenizer()
-    rows, peaks = [], []
+    rows = []
     for spec in common.parse_models(args.models):
         for task in args.tasks.split(","):
             bert_class, ours_class = TASKS[task]
@@ -103,7 +103,6 @@ def main():
                         {name: training_step(model, optimizers[id(model)], batch) for name, model in flash.items()}
                     )
                     seconds, peak = common.interleave(steps, iterations, args.device, args.peak_size)
-                    peaks.append(peak)
                     flops = step_flops(task, bert.config, lengths)
                     reference = seconds["BERT-sdpa"]
                     ideal = batch_size * width / sum(lengths)
@@ -125,10 +124,7 @@ def main():
                             f"{ideal:.2f}",
                         ]
                     )
-    print(
-        f"matmul peak {sum(peaks) / len(peaks) / 1e9:.0f} GFLOP/s ({args.peak_size}^2 float32 torch.matmul, mean of "
-        f"the per-cell medians); {iterations} interleaved rounds per cell, medians"
-    )
+    print(f"{common.peak_line(args.peak_size)}; {iterations} interleaved rounds per cell, medians")
     print(
         "cells: speed-up over BERT-sdpa (BertForMaskedLM / BertForSequenceClassification) in real tokens/s "
         "(achieved FLOP/s on real tokens / matmul peak)"

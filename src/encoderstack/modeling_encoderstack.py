@@ -54,6 +54,7 @@ from .execution_encoderstack import (
     eager_attention_forward,
     execution_plan,
     holds_integers,
+    linear,
     with_score_term,
 )
 
@@ -119,7 +120,7 @@ class EncoderStackEmbeddings(nn.Module):
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, size)
         self.norm = make_norm(config, size) if config.embedding_norm else nn.Identity()
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.project = nn.Linear(size, config.hidden_size) if size != config.hidden_size else nn.Identity()
+        self.project = Linear(size, config.hidden_size) if size != config.hidden_size else nn.Identity()
 
     def forward(self, input_ids, token_type_ids, position_ids, inputs_embeds):
         embeddings = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
@@ -298,7 +299,14 @@ class EncoderStackKwargs(TransformersKwargs, total=False):
     plan: "ExecutionPlan | None"
 
 
-class LayerProjection(nn.Linear):
+class Linear(nn.Linear):
+    """`nn.Linear` whose forward is `execution_encoderstack.linear` (oneDNN for float32 CPU inference)."""
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
+class LayerProjection(Linear):
     """A projection inside a layer, whose init the placement may set (DeepScaleLM's normal(0, 1/fan_in))."""
 
     init_std: float | None = None  # set by the layer from its rows; None: BERT's init
@@ -524,13 +532,13 @@ class EncoderStackLMHead(nn.Module):
         self.dense = self.dense_out = None
         self.norm = nn.Identity()
         if heads.lm == "transform":
-            self.dense = nn.Linear(config.hidden_size, size, bias=config.classifier_bias)
+            self.dense = Linear(config.hidden_size, size, bias=config.classifier_bias)
             self.norm = make_norm(config, size)
         elif heads.lm == "two_layer":
             inner = config.prediction_head_size or config.hidden_size
-            self.dense = nn.Linear(config.hidden_size, inner, bias=config.classifier_bias)
-            self.dense_out = nn.Linear(inner, size, bias=config.classifier_bias)
-        self.decoder = nn.Linear(size, config.vocab_size, bias=config.decoder_bias)
+            self.dense = Linear(config.hidden_size, inner, bias=config.classifier_bias)
+            self.dense_out = Linear(inner, size, bias=config.classifier_bias)
+        self.decoder = Linear(size, config.vocab_size, bias=config.decoder_bias)
 
     def forward(self, hidden_states):
         if self.dense is not None:

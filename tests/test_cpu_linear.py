@@ -1,0 +1,90 @@
+"""Float32 on the CPU runs the model's projections through oneDNN (faster than torch's MKL linear, measured in
+docs/performance.md), in inference and in training, with F.linear's numbers; autocast, bf16 and compilers keep
+F.linear."""
+
+import pytest
+import torch
+from conftest import batch, build
+
+import encoderstack
+from encoderstack import execution_encoderstack
+
+pytestmark = pytest.mark.skipif(not execution_encoderstack.ONEDNN_LINEAR, reason="torch built without oneDNN")
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].dtype)
+        return execution_encoderstack.torch.ops.mkldnn._linear_pointwise(*args)
+
+    monkeypatch.setattr(execution_encoderstack, "onednn_linear", counted)
+    return calls
+
+
+def projections(model) -> int:
+    return sum(isinstance(module, encoderstack.modeling_encoderstack.Linear) for module in model.modules())
+
+
+def test_float32_inference_runs_every_projection_through_onednn_with_f_linear_s_numbers(onednn_calls, monkeypatch):
+    model = build(encoderstack.EncoderStackForMaskedLM)
+    with torch.no_grad():
+        fast = model(**batch()).logits
+    assert len(onednn_calls) == projections(model) > 0  # the tied decoder too
+    monkeypatch.setattr(execution_encoderstack, "ONEDNN_LINEAR", False)
+    with torch.no_grad():
+        plain = model(**batch()).logits
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=0)
+
+
+def gradients(model, monkeypatch, onednn: bool) -> dict:
+    monkeypatch.setattr(execution_encoderstack, "ONEDNN_LINEAR", onednn)
+    model.zero_grad()
+    model(**batch(), labels=torch.tensor([0, 1, 0])).loss.backward()
+    return {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
+
+
+def test_training_runs_every_projection_s_three_gemms_through_onednn_with_f_linear_s_gradients(
+    onednn_calls, monkeypatch
+):
+    model = build(encoderstack.EncoderStackForSequenceClassification)  # eval: no dropout, the same graph twice
+    expected = gradients(model, monkeypatch, onednn=False)
+    assert onednn_calls == []
+    actual = gradients(model, monkeypatch, onednn=True)
+    layer_projections = projections(model.model)
+    assert len(onednn_calls) == 3 * layer_projections  # forward, input gradient, weight gradient
+    assert actual.keys() == expected.keys() and len(expected) > 0
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_frozen_weights_with_a_recorded_input_get_the_input_gradient_alone(onednn_calls, monkeypatch):
+    model = build(encoderstack.EncoderStackModel).requires_grad_(False)
+    embeds = torch.randn(2, 5, model.config.hidden_size, requires_grad=True)
+    model(inputs_embeds=embeds).last_hidden_state.sum().backward()
+    projections_run = len(onednn_calls) // 2
+    assert len(onednn_calls) == 2 * projections_run > 0  # no weight gradient computed
+    fast = embeds.grad.clone()
+    monkeypatch.setattr(execution_encoderstack, "ONEDNN_LINEAR", False)
+    embeds.grad = None
+    model(inputs_embeds=embeds).last_hidden_state.sum().backward()
+    torch.testing.assert_close(fast, embeds.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_autocast_and_bfloat16_weights_keep_f_linear(onednn_calls):
+    model = build(encoderstack.EncoderStackModel)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(**batch()).pooler_output.dtype == torch.bfloat16  # a linear and tanh: autocast ran it
+    with torch.no_grad():
+        model.to(torch.bfloat16)(**batch())
+    assert onednn_calls == []
+
+
+def test_a_compiled_model_keeps_f_linear(onednn_calls):
+    model = build(encoderstack.EncoderStackModel)
+    compiled = torch.compile(model, backend="eager", fullgraph=False)
+    with torch.no_grad():
+        compiled(**batch())
+    assert onednn_calls == []
