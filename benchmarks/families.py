@@ -25,6 +25,19 @@ FAMILIES = {  # model_type -> its transformers class
     "eurobert": "EuroBertModel",
     "ultrabert": "UltrabertModel",
     "mpnet": "MPNetModel",
+    "deberta-v2": "DebertaV2Model",
+    "deberta": "DebertaModel",
+}
+# DeBERTa-v3's layout (its config's defaults are v2's): disentangled attention over 256 log buckets, the position
+# projections shared with the content ones, no absolute positions, no token types
+DEBERTA_V3 = {
+    "relative_attention": True,
+    "position_buckets": 256,
+    "pos_att_type": ["p2c", "c2p"],
+    "share_att_key": True,
+    "norm_rel_ebd": "layer_norm",
+    "position_biased_input": False,
+    "type_vocab_size": 0,
 }
 MODERN = ("modernbert", "gte", "nomic_bert", "jina_embeddings_v3", "eurobert", "ultrabert")
 MINILM = {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12, "intermediate_size": 1536}
@@ -37,9 +50,13 @@ def family_pair(family, spec, max_length, folder):
     if family in MODERN:  # their default special ids lie beyond a BERT vocabulary: the tokenizer's instead
         fields |= {"pad_token_id": 0, "bos_token_id": 101, "eos_token_id": 102, "cls_token_id": 101}
         fields |= {"sep_token_id": 102}
-    config = transformers.AutoConfig.for_model(
-        family, **fields, hidden_dim=fields["intermediate_size"], embedding_size=fields["hidden_size"] // 2
-    )
+    extra = {"hidden_dim": fields["intermediate_size"], "embedding_size": fields["hidden_size"] // 2}
+    if family == "deberta-v2":  # embeddings as wide as the layers (EncoderStack refuses DeBERTa's embed_proj)
+        extra = {**DEBERTA_V3, "embedding_size": fields["hidden_size"]}
+    if family == "deberta":  # deberta-base's layout: disentangled attention, no absolute positions
+        extra = {"relative_attention": True, "pos_att_type": ["c2p", "p2c"], "position_biased_input": False}
+        extra |= {"type_vocab_size": 0, "embedding_size": fields["hidden_size"]}
+    config = transformers.AutoConfig.for_model(family, **fields, **extra)
     torch.manual_seed(0)
     reference = getattr(transformers, FAMILIES[family])(config)
     reference.save_pretrained(folder)
@@ -90,7 +107,7 @@ def main():
                         ]
                     )
     print(f"{iterations} interleaved rounds per cell, medians; both SDPA, same weights, same batch")
-    print("MPNetModel runs eager whatever is asked (its attention has no AttentionInterface); ours SDPA")
+    print("MPNetModel and the DeBERTa classes run eager whatever is asked (no AttentionInterface); ours SDPA")
     common.print_table(
         rows,
         ["model", "family", "reference", "batch", "lengths", "real", "padding-free speed-up", "ideal", "of ideal"],

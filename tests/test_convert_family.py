@@ -1,7 +1,8 @@
 """The BERT family converts with parity: the conversion matrix (family x head x backend x padding side) against each
 family's own transformers class, built tiny and random (no download): RoBERTa, XLM-R, CamemBERT, the pre-LN RoBERTas,
 ELECTRA (narrower embeddings, its discriminator and generator), DistilBERT, MPNet (a relative-position bias in
-every layer's scores) and ALBERT (shared layers, its sentence-order pre-training head)."""
+every layer's scores), ALBERT (shared layers, its sentence-order pre-training head), DeBERTa-v3 and DeBERTa v1
+(disentangled attention, no absolute positions)."""
 
 import json
 import re
@@ -11,7 +12,7 @@ import pytest
 import torch
 import transformers
 from conftest import real
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import encoderstack
 from encoderstack.configuration_encoderstack import HEAD_LAYOUTS
@@ -38,6 +39,8 @@ TESTED_HERE = (
     "distilbert",
     "mpnet",
     "albert",
+    "deberta-v2",
+    "deberta",
 )
 FAMILIES = {name: REGISTRY[name].architecture_prefix for name in TESTED_HERE}  # model_type -> its classes' prefix
 OFFSET_FAMILIES = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "xlm-roberta-xl", "mpnet")
@@ -62,23 +65,47 @@ OUTPUTS = (
 PAD = 1  # RoBERTa's pad_token_id: positions count from 2
 
 
-def family_folder(folder, family, suffix, seed=0):
+# DeBERTa-v3's layout, its buckets small enough that the test's 10-12 tokens reach the log buckets and their clamp
+DEBERTA_V3 = {
+    "relative_attention": True,
+    "position_buckets": 8,
+    "max_relative_positions": 8,
+    "pos_att_type": "p2c|c2p",
+    "share_att_key": True,
+    "norm_rel_ebd": "layer_norm",
+    "position_biased_input": False,
+    "type_vocab_size": 0,
+    "embedding_size": 32,
+}
+# DeBERTa v1's layout (deberta-base's: no absolute positions), its distances clamped at 6
+DEBERTA_V1 = {
+    "relative_attention": True,
+    "max_relative_positions": 6,
+    "pos_att_type": "c2p|p2c",
+    "position_biased_input": False,
+    "type_vocab_size": 0,
+    "embedding_size": 32,
+}
+FAMILY_FIELDS = {"deberta-v2": DEBERTA_V3, "deberta": DEBERTA_V1}  # where a family's tiny config differs
+
+
+def family_folder(folder, family, suffix, seed=0, **fields):
     """A randomly initialized model of the family's own class, saved as a checkpoint folder."""
-    config = transformers.AutoConfig.for_model(
-        family,
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=20,
-        type_vocab_size=1,
-        embedding_size=16,  # ELECTRA's and ALBERT's: a projection to the hidden size
-        hidden_dim=37,  # DistilBERT's intermediate size
-        layer_norm_eps=1e-5,
-        pad_token_id=PAD,
-        num_labels=2 if suffix in ("ForQuestionAnswering", "ForPreTraining") else 3,  # ALBERT's sentence order: 2
-    )
+    shared = {
+        "vocab_size": 99,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 37,
+        "max_position_embeddings": 20,
+        "type_vocab_size": 1,
+        "embedding_size": 16,  # ELECTRA's and ALBERT's: a projection to the hidden size
+        "hidden_dim": 37,  # DistilBERT's intermediate size
+        "layer_norm_eps": 1e-5,
+        "pad_token_id": PAD,
+        "num_labels": 2 if suffix in ("ForQuestionAnswering", "ForPreTraining") else 3,  # ALBERT's sentence order: 2
+    }
+    config = transformers.AutoConfig.for_model(family, **{**shared, **FAMILY_FIELDS.get(family, {}), **fields})
     return save_random(getattr(transformers, FAMILIES[family] + suffix), config, folder, seed)
 
 
@@ -239,6 +266,41 @@ def assert_parity(reference, ours, suffix, backend, side, reference_inputs=None,
         torch.testing.assert_close(recorded.loss, expected.loss, atol=1e-5, rtol=0, msg="loss")
 
 
+# DeBERTa-v2's own variants: position projections of their own (share_att_key off), each term alone, absolute
+# positions and token types at the input, distances without buckets (clamped at 6), the masked-LM head of legacy=false
+DEBERTA_V2 = {
+    **DEBERTA_V3,
+    "share_att_key": False,
+    "position_biased_input": True,
+    "type_vocab_size": 2,
+    "position_buckets": -1,
+    "max_relative_positions": 6,
+    "norm_rel_ebd": "none",
+}
+DEBERTA_VARIANTS = {
+    "c2p-and-p2c": DEBERTA_V2,
+    "c2p-only": {**DEBERTA_V2, "pos_att_type": "c2p"},
+    "p2c-only": {**DEBERTA_V2, "pos_att_type": ["p2c"]},
+    "v3-shared-keys-c2p-only": {**DEBERTA_V3, "pos_att_type": "c2p"},
+    "v3-lm-predictions": {**DEBERTA_V3, "legacy": False},
+}
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("variant", DEBERTA_VARIANTS)
+def test_each_deberta_variant_converts_with_parity_on_both_padding_sides(tmp_path, variant, side):
+    source = family_folder(tmp_path / "source", "deberta-v2", "ForMaskedLM", **DEBERTA_VARIANTS[variant])
+    reference, ours = converted_pair(source, tmp_path / "out", transformers.DebertaV2ForMaskedLM)
+    config = ours.config
+    assert config.share_att_key == (variant.startswith("v3")) and config.relative_attention == "disentangled"
+    assert (config.position_embedding_type is None) == variant.startswith("v3")
+
+    def reference_inputs(inputs):
+        return {**inputs, "position_ids": bert_positions_of_left_padding(inputs)} if side == "left" else inputs
+
+    assert_parity(reference, ours, "ForMaskedLM", "sdpa", side, reference_inputs)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_question_answering_loss_without_padding_equals_the_familys(converted, family):
     reference, ours = converted(family, "ForQuestionAnswering")
@@ -249,7 +311,7 @@ def test_question_answering_loss_without_padding_equals_the_familys(converted, f
 
 
 @pytest.mark.parametrize("suffix", ["Model", "ForTokenClassification", "ForMaskedLM"])
-@pytest.mark.parametrize("family", ["roberta", "xlm-roberta-xl", "mpnet", "albert"])
+@pytest.mark.parametrize("family", ["roberta", "xlm-roberta-xl", "mpnet", "albert", "deberta-v2", "deberta"])
 def test_flattened_rows_give_each_sequence_what_the_familys_class_gives_it_alone(converted, family, suffix):
     reference, ours = converted(family, suffix)
     ids = torch.randint(PAD + 1, 99, (1, 12), generator=torch.Generator().manual_seed(7))
@@ -298,6 +360,65 @@ def test_from_pretrained_converts_a_roberta_folder_on_the_fly(tmp_path):
     assert {path.name for path in tmp_path.iterdir()} == {"roberta"}
 
 
+def test_a_deberta_v3_folder_converts_with_recorded_parity_and_loads_on_the_fly(tmp_path):
+    source = family_folder(tmp_path / "deberta", "deberta-v2", "ForSequenceClassification")
+    folder = encoderstack.convert(source, tmp_path / "out")
+    rows = json.loads((folder / "conversion.json").read_text())["parity"]["results"]
+    assert set(rows) == {"eager", "sdpa"} and all(r["max_abs_diff"] <= 1e-5 for v in rows.values() for r in v)
+    assert "DeBERTa's disentangled attention (c2p+p2c, 8 log buckets" in (folder / "README.md").read_text()
+    ours = encoderstack.EncoderStackForSequenceClassification.from_pretrained(source).eval()
+    reference = transformers.DebertaV2ForSequenceClassification.from_pretrained(source).eval()
+    inputs, _ = right_padded_batch("ForSequenceClassification")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(**inputs).logits, reference(**inputs).logits, atol=1e-5, rtol=0)
+    assert {path.name for path in tmp_path.iterdir()} == {"deberta", "out"}
+
+
+def test_a_deberta_v3_release_without_architectures_converts_its_encoder_and_skips_its_discriminator(tmp_path):
+    """microsoft/deberta-v3-base's layout: no `architectures` and no `legacy` in its config, the masked-LM head as
+    `lm_predictions` (what its class reads with legacy=false) and the replaced-token-detection head
+    `mask_predictions`, both beside the encoder; the encoder converts with parity, the heads are skipped with their
+    reasons, and `task="fill-mask"` converts the masked LM with parity against the class that reads that head."""
+    source = family_folder(tmp_path / "deberta", "deberta-v2", "ForMaskedLM", legacy=False)
+    tensors = load_file(source / "model.safetensors")
+    hidden = tensors["deberta.embeddings.LayerNorm.weight"].shape[0]
+    shapes = {"dense.weight": (hidden, hidden), "dense.bias": (hidden,), "LayerNorm.weight": (hidden,)}
+    shapes |= {"LayerNorm.bias": (hidden,), "classifier.weight": (1, hidden), "classifier.bias": (1,)}
+    tensors |= {f"mask_predictions.{name}": torch.randn(shape) for name, shape in shapes.items()}
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config = {key: value for key, value in config.items() if key != "legacy"}
+    (source / "config.json").write_text(json.dumps({**config, "architectures": None}))
+    for task in ("feature-extraction", "fill-mask"):
+        folder = encoderstack.convert(source, tmp_path / task, task=None if task == "feature-extraction" else task)
+        report = json.loads((folder / "conversion.json").read_text())
+        assert report["task"] == task
+        assert all(r["max_abs_diff"] <= 1e-5 for v in report["parity"]["results"].values() for r in v)
+        assert "replaced-token-detection head" in report["skipped"]["mask_predictions.classifier.weight"]
+    assert (
+        "head of task 'fill-mask'"
+        in json.loads((tmp_path / "feature-extraction" / "conversion.json").read_text())["skipped"][
+            "lm_predictions.lm_head.dense.weight"
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("conv_kernel_size", 3, "conv_kernel_size 3 is not supported .*the convolution after the first layer"),
+        ("embedding_size", 16, "embedding_size 16 is not supported .*embed_proj, normalized after projection"),
+        ("pooler_hidden_act", "tanh", "pooler_hidden_act 'tanh' is not supported"),
+    ],
+)
+def test_a_deberta_part_encoderstack_does_not_express_is_refused_by_name(tmp_path, field, value, message):
+    source = family_folder(tmp_path / "deberta", "deberta-v2", "Model")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(encoderstack.ConversionError, match=f"config.json: DeBERTa's {message}"):
+        encoderstack.convert(source, tmp_path / "out")
+
+
 def test_a_roberta_checkpoint_refuses_a_head_its_family_does_not_have(tmp_path):
     source = family_folder(tmp_path / "roberta", "roberta", "ForMaskedLM")
     with pytest.raises(encoderstack.ConversionError, match="a roberta checkpoint has no 'pretraining' head"):
@@ -320,7 +441,6 @@ def test_a_roberta_config_without_a_pad_token_id_is_refused_by_name(tmp_path):
     ("model_type", "reason"),
     [
         ("funnel", "pools the sequence between blocks"),
-        ("deberta-v2", "disentangled attention"),
         ("longformer", "global tokens"),
         ("gpt2", "is not a BERT-family checkpoint"),
     ],

@@ -168,33 +168,36 @@ RELATIVE_PLAN_TABLE = [
 ]
 
 
+@pytest.mark.parametrize("term", ["bias", "disentangled"])  # MPNet's and DeBERTa's
 @pytest.mark.parametrize(("cell", "expected"), RELATIVE_PLAN_TABLE, ids=[cell_id(c) for c, _ in RELATIVE_PLAN_TABLE])
-def test_a_relative_position_term_is_planned_only_onto_paths_that_take_it_and_the_reason_says_so(cell, expected):
+def test_a_relative_position_term_is_planned_only_onto_paths_that_take_it_and_the_reason_says_so(cell, expected, term):
     device, dtype, inputs, other = cell
     without = decide_plan(facts(device, dtype, inputs, **other))
-    plan = decide_plan(facts(device, dtype, inputs, relative_attention="bias", **other))
+    plan = decide_plan(facts(device, dtype, inputs, relative_attention=term, **other))
     assert (plan.kind, plan.attention) == expected, plan.reason
     if (plan.kind, plan.attention) != (without.kind, without.attention):
-        assert "relative-position scores (bias)" in plan.reason, plan.reason
+        assert f"relative-position scores ({term})" in plan.reason, plan.reason
 
 
-def test_no_cell_plans_a_flash_kernel_for_a_relative_position_term():
+@pytest.mark.parametrize("term", ["bias", "disentangled"])
+def test_no_cell_plans_a_flash_kernel_for_a_relative_position_term(term):
     grid = itertools.product(
         (CPU, H100, A100, T4), (FP32, BF16, FP16), INPUT_KINDS, ("sdpa", "eager"), *[(False, True)] * 3
     )
     for device, dtype, inputs, backend, padding_free, dropout, varlen in grid:
         cell = facts(
             device, dtype, inputs, backend, padding_free=padding_free, attention_dropout=dropout,
-            varlen_kernel=varlen, relative_attention="bias",
+            varlen_kernel=varlen, relative_attention=term,
         )  # fmt: skip
         plan = decide_plan(cell)
         assert plan.kind != "varlen" and plan.attention in (backend, PER_SEQUENCE), cell
 
 
+@pytest.mark.parametrize("term", ["bias", "disentangled"])
 @pytest.mark.parametrize("backend", ["flash_attention_2", "flex_attention"])
-def test_a_relative_position_term_on_a_backend_without_a_score_term_is_refused_by_name(backend):
-    with pytest.raises(ValueError, match=f"relative_attention='bias'.*the {backend} backend cannot take"):
-        decide_plan(facts(H100, BF16, "padded", backend, relative_attention="bias"))
+def test_a_relative_position_term_on_a_backend_without_a_score_term_is_refused_by_name(backend, term):
+    with pytest.raises(ValueError, match=f"relative_attention='{term}'.*the {backend} backend cannot take"):
+        decide_plan(facts(H100, BF16, "padded", backend, relative_attention=term))
 
 
 @pytest.fixture

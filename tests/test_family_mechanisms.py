@@ -2,6 +2,8 @@
 token types, an embedding projection, and the head layouts. Parity with each family's own class is in
 test_convert_family.py; here, the mechanisms themselves, on every execution path."""
 
+from unittest import mock
+
 import pytest
 import torch
 from conftest import HEADS, batch, build, head_inputs
@@ -104,6 +106,7 @@ LAYOUT_PARTS = {  # layout -> (sequence classification, multiple choice): the ac
     "roberta": ("tanh", "pooler"),
     "electra": ("gelu", "gelu"),
     "distilbert": ("relu", "relu"),
+    "deberta": ("gelu", "gelu"),  # DeBERTa's ContextPooler
 }
 
 
@@ -181,6 +184,44 @@ def relative_bias_model():
     return model
 
 
+DEBERTA_LIKE = {
+    "type_vocab_size": 0,
+    "position_embedding_type": None,
+    "relative_attention": "disentangled",
+    "position_buckets": 8,
+    "max_relative_positions": 16,
+    "pos_att_type": ["c2p", "p2c"],
+    "share_att_key": True,
+    "norm_rel_ebd": "layer_norm",
+    "head_layout": "deberta",
+}
+
+
+def disentangled_model():
+    """A DeBERTa-v3-like model (no positions but the relative ones) whose c2p and p2c terms are large: its relative
+    embeddings, queries and keys scaled up, and the attention's output, so that it moves the hidden states."""
+    model = build(encoderstack.EncoderStackModel, **DEBERTA_LIKE)
+    with torch.no_grad():
+        model.relative_attention.norm.weight.normal_(0, 4.0)
+        for layer in model.layers:
+            layer.attention.query.weight.mul_(8.0)
+            layer.attention.key.weight.mul_(8.0)
+            layer.attention.output.weight.mul_(8.0)
+    return model
+
+
+def scramble(model):
+    """Every relative term of `model` made different: MPNet's bias zeroed, DeBERTa's embeddings reversed."""
+    with torch.no_grad():
+        if model.config.relative_attention == "bias":
+            model.relative_attention.bias.weight.zero_()
+        else:
+            model.relative_attention.embeddings.weight.copy_(model.relative_attention.embeddings.weight.flip(0))
+
+
+RELATIVE_MODELS = {"bias": relative_bias_model, "disentangled": disentangled_model}
+
+
 def each_alone(model, seqs):
     with torch.no_grad():
         return torch.cat([model(input_ids=s[None]).last_hidden_state[0] for s in seqs])
@@ -192,11 +233,13 @@ RELATIVE_LENGTHS = (40, 9, 23, 3)  # distances past the exact buckets into the l
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 @pytest.mark.parametrize("padding_free", [True, False])
 @pytest.mark.parametrize("layout", ["right", "left", "flattened"])
-def test_the_relative_bias_reaches_every_path_from_each_sequences_own_distances(backend, padding_free, layout):
+@pytest.mark.parametrize("term", RELATIVE_MODELS)
+def test_the_relative_term_reaches_every_path_from_each_sequences_own_distances(term, backend, padding_free, layout):
     """Each sequence gets what it gets alone, whether it is padded on either side (its distances, not the row's
-    padding, decide its bias), packed with the others, or flattened into one row (per sequence, or under a
-    block-diagonal mask); and the bias matters: without it the outputs differ."""
-    model = relative_bias_model()
+    padding, decide its term: MPNet's bias, or DeBERTa's c2p and p2c from its own queries and keys), packed with the
+    others, or flattened into one row (per sequence, or under a block-diagonal mask); and the term matters: with
+    other relative weights the outputs differ."""
+    model = RELATIVE_MODELS[term]()
     model.set_attn_implementation(backend)
     generator = torch.Generator().manual_seed(4)
     seqs = [torch.randint(2, 99, (n,), generator=generator) for n in RELATIVE_LENGTHS]
@@ -223,9 +266,70 @@ def test_the_relative_bias_reaches_every_path_from_each_sequences_own_distances(
         == {True: "per_sequence", False: "block_diagonal" if layout == "flattened" else "padded"}[padding_free]
     )
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-    with torch.no_grad():
-        model.relative_attention.bias.weight.zero_()
+    scramble(model)
     assert not torch.allclose(each_alone(model, seqs), expected, atol=1e-2)
+
+
+@pytest.mark.parametrize(("buckets", "reach"), [(256, 512), (8, 16), (4, 6), (32, 100)])
+def test_debertas_log_buckets_and_rows_equal_its_own_at_every_distance_through_both_edges(buckets, reach):
+    """`make_log_bucket_position` at every distance from far before to far after the reach, and each query-key pair's
+    row of the relative embeddings as DeBERTa's c2p gathers it, for the whole table (as a compiled forward reads it)
+    and for the rows a short forward keeps."""
+    from transformers.models.deberta_v2.modeling_deberta_v2 import build_relative_position, make_log_bucket_position
+
+    from encoderstack.modeling_encoderstack import DisentangledPositions, log_bucket_position
+
+    distance = torch.arange(-3 * reach, 3 * reach + 1)
+    expected = make_log_bucket_position(distance, buckets, reach)
+    assert torch.equal(log_bucket_position(distance, buckets, reach), expected.long())
+    rows = (expected + buckets).clamp(0, 2 * buckets - 1)
+    assert (rows.min(), rows.max()) == (0, 2 * buckets - 1)  # both edges are crossed
+    config = encoderstack.EncoderStackConfig(
+        **{**DEBERTA_LIKE, "position_buckets": buckets, "max_relative_positions": reach}, hidden_size=8,
+        num_attention_heads=2, max_position_embeddings=4 * reach,
+    )  # fmt: skip
+    positions = DisentangledPositions(config)
+    for length in (1, 2, buckets // 2 + 1, 3 * reach):
+        query = torch.zeros(1, length, 1)
+        rows = build_relative_position(query, query, bucket_size=buckets, max_position=reach)[0]
+        rows = (rows + buckets).clamp(0, 2 * buckets - 1)
+        table = positions.embeddings.weight
+        kept = positions(length, torch.float32)
+        torch.testing.assert_close(kept.embeddings[kept.index], positions.norm(table)[rows])
+        with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
+            whole = positions(length, torch.float32)
+        assert torch.equal(whole.index, rows) and whole.embeddings.shape[0] == 2 * buckets
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"pos_att_type": None}, r"needs `pos_att_type`, 'c2p' and/or 'p2c' once each, got \[\]"),
+        ({"pos_att_type": ["c2p", "c2p"]}, "once each"),
+        ({"position_buckets": 0}, "`position_buckets` must be a positive integer or None, got 0"),
+        ({"position_buckets": 8, "max_relative_positions": 5}, r"`max_relative_positions` \(5\) must exceed the 5"),
+        ({"num_key_value_heads": 2}, "grouped-query attention"),
+    ],
+)
+def test_a_disentangled_config_that_cannot_run_is_refused_naming_the_field(fields, message):
+    from huggingface_hub.errors import StrictDataclassClassValidationError as ValidationError
+
+    with pytest.raises(ValidationError, match=message):
+        encoderstack.EncoderStackConfig(**{**DEBERTA_LIKE, **fields})
+
+
+def test_attention_bias_as_a_list_gives_a_bias_to_the_projections_it_names_only():
+    """DeBERTa v1's: the query, value, output and position query projections have biases, the key and position key
+    none; a name that is no projection is refused."""
+    from huggingface_hub.errors import StrictDataclassFieldValidationError
+
+    named = ["query", "value", "output", "position_query"]
+    fields = {**DEBERTA_LIKE, "share_att_key": False, "attention_bias": named}
+    attention = build(encoderstack.EncoderStackModel, **fields).layers[0].attention
+    for name in ("query", "key", "value", "output", "position_key", "position_query"):
+        assert (getattr(attention, name).bias is not None) == (name in named), name
+    with pytest.raises(StrictDataclassFieldValidationError, match="field 'attention_bias'"):
+        encoderstack.EncoderStackConfig(attention_bias=["query", "keys"])
 
 
 def test_recorded_attention_maps_hold_the_relative_bias():

@@ -11,6 +11,7 @@ import transformers
 from safetensors.torch import load_file
 from test_convert_family import (
     FAMILIES,
+    FAMILY_FIELDS,
     OFFSET_FAMILIES,
     PAD,
     byte_level_bpe,
@@ -20,6 +21,7 @@ from test_convert_family import (
 from test_finetune import packed_and_padded_runs
 
 import encoderstack
+from encoderstack.conversion.keymap import FAMILIES as REGISTRY
 from encoderstack.diagnostics import gradient_norms_per_layer
 from encoderstack.diagnostics.corpus import stdlib_corpus
 from encoderstack.finetune import finetune
@@ -82,7 +84,13 @@ def test_a_flattened_row_longer_than_the_positions_is_fine_when_each_sequence_fi
         model(**flattening_collator()([{"input_ids": list(range(5, 70))}]))
 
 
-@pytest.mark.parametrize("family", ["roberta", "mpnet"])
+RELATIVE_TERM_CARDS = {  # what the card says of each family's relative term
+    "mpnet": "learned relative-position bias in every layer's scores (32 buckets",
+    "deberta-v2": "DeBERTa's disentangled attention (c2p+p2c, 8 log buckets",
+}
+
+
+@pytest.mark.parametrize("family", ["roberta", "mpnet", "deberta-v2"])
 def test_continued_pretraining_of_a_converted_family_model_lowers_its_eval_loss_and_its_card_names_the_family(
     masked_lm, family, tmp_path
 ):
@@ -100,10 +108,12 @@ def test_continued_pretraining_of_a_converted_family_model_lowers_its_eval_loss_
     )
     assert record["eval_loss_after"] < record["eval_loss_before"]
     config = encoderstack.EncoderStackConfig.from_pretrained(tmp_path / "out")
-    assert config.position_offset == PAD + 1 and config.head_layout == "roberta"
+    assert config.head_layout == REGISTRY[family].head_layout
+    assert config.position_offset == (PAD + 1 if family in OFFSET_FAMILIES else None)
     card = (tmp_path / "out" / "README.md").read_text()
     assert f"- {family}\n" in card
-    assert ("learned relative-position bias in every layer's scores (32 buckets" in card) == (family == "mpnet")
+    for other, term in RELATIVE_TERM_CARDS.items():
+        assert (term in card) == (family == other)
 
 
 def test_a_converted_mpnet_switched_to_pre_ln_trains_with_its_relative_bias(masked_lm, tmp_path):
@@ -159,13 +169,34 @@ def wordpiece(folder):
     return tokenizer
 
 
+def sentencepiece_unigram(folder):
+    """A small SentencePiece-style Unigram tokenizer as DeBERTa-v3's (specials [PAD] [UNK] [CLS] [SEP] [MASK]: pad id
+    0; [CLS] text [SEP]), trained by `tokenizers` (transformers 5 builds DebertaV2Tokenizer from the pieces and their
+    scores; the `sentencepiece` package, which would write an spm.model, is not needed), saved."""
+    from tokenizers import SentencePieceUnigramTokenizer
+
+    unigram = SentencePieceUnigramTokenizer()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    unigram.train_from_iterator(SENTENCES * 10, vocab_size=120, special_tokens=specials, unk_token="[UNK]")
+    pieces = [tuple(piece) for piece in json.loads(unigram._tokenizer.to_str())["model"]["vocab"]]
+    tokenizer = transformers.DebertaV2Tokenizer(vocab=pieces)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+TOKENIZERS = {"deberta-v2": sentencepiece_unigram}  # the others: byte-level BPE for RoBERTa's kin, else WordPiece
+
+
 def tokenized_folder(folder, family, suffix="Model"):
     """A tiny model of the family's own class with a tokenizer as the family's beside it: byte-level BPE for
-    RoBERTa's kin (pad id 1), WordPiece for ELECTRA and DistilBERT (pad id 0)."""
-    tokenizer = byte_level_bpe(folder) if family in OFFSET_FAMILIES else wordpiece(folder)
+    RoBERTa's kin (pad id 1), a SentencePiece Unigram for DeBERTa, WordPiece for ELECTRA and DistilBERT (pad id 0)."""
+    tokenizer = TOKENIZERS.get(family, byte_level_bpe if family in OFFSET_FAMILIES else wordpiece)(folder)
+    shared = {
+        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 37,
+        "hidden_dim": 37, "embedding_size": 16, "max_position_embeddings": 66, "type_vocab_size": 1,
+    }  # fmt: skip
     config = transformers.AutoConfig.for_model(
-        family, vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=37, hidden_dim=37, embedding_size=16, max_position_embeddings=66, type_vocab_size=1,
+        family, **{**shared, **FAMILY_FIELDS.get(family, {})}, vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id, num_labels=2,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -173,7 +204,7 @@ def tokenized_folder(folder, family, suffix="Model"):
     return folder
 
 
-@pytest.mark.parametrize("family", ["roberta", "electra", "distilbert", "albert"])
+@pytest.mark.parametrize("family", ["roberta", "electra", "distilbert", "albert", "deberta-v2"])
 def test_fine_tuning_a_converted_family_model_trains_saves_reloads_and_its_card_names_the_family(family, tmp_path):
     source = tokenized_folder(tmp_path / "source", family)
     folder = encoderstack.convert(source, tmp_path / "converted")
@@ -182,7 +213,7 @@ def test_fine_tuning_a_converted_family_model_trains_saves_reloads_and_its_card_
     record = finetune(folder, tmp_path / "out", train=data, eval=data, epochs=3, batch_size=4, lr=1e-2)
     assert record["after"]["loss"] < record["before"]["loss"]
     model = encoderstack.EncoderStackForSequenceClassification.from_pretrained(tmp_path / "out").eval()
-    assert model.config.head_layout == family
+    assert model.config.head_layout == REGISTRY[family].head_layout
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")  # the family's tokenizer travelled
     assert (
         tokenizer("The dog.")["input_ids"]
@@ -244,10 +275,11 @@ def test_the_diagnostics_measure_a_converted_family_model_and_its_folder_passes_
     assert len(norms) == 2 and all(norm > 0 and norm == norm for norm in norms)
 
 
-def test_a_converted_mpnet_exports_to_onnx_at_float32_parity_with_its_relative_bias(masked_lm, tmp_path):
+@pytest.mark.parametrize("family", ["mpnet", "deberta-v2"])
+def test_a_converted_family_exports_to_onnx_at_float32_parity_with_its_relative_term(masked_lm, family, tmp_path):
     from encoderstack.exporters import RECORD, load_exported
 
-    _, folder = masked_lm("mpnet")
+    _, folder = masked_lm(family)
     exported = encoderstack.export_onnx(folder, tmp_path / "onnx")
     rows = json.loads((exported / RECORD).read_text())["parity"]["results"]["onnxruntime"]
     assert all(row["max_abs_diff"] <= 1e-4 for row in rows)

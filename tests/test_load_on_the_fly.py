@@ -14,7 +14,7 @@ import transformers
 from conftest import real
 from safetensors.torch import load_file, save_file
 from test_convert_bert import bert_folder
-from test_convert_family import FAMILIES, SUFFIXES, family_folder, right_padded_batch
+from test_convert_family import FAMILIES, family_folder, right_padded_batch, suffixes
 from test_convert_modern import FAMILIES as MODERN_FAMILIES
 from test_convert_modern import family_folder as modern_folder
 from test_convert_rope_families import FAMILIES as ROPE_FAMILIES
@@ -32,7 +32,9 @@ from encoderstack.conversion.keymap import (
 
 BERT_CASES = [("Bert", task.bert_suffix) for task in TASKS.values() if task.name in BERT_TASKS]
 CASES = (
-    BERT_CASES + [("MegatronBert", "ForMaskedLM")] + [(family, suffix) for family in FAMILIES for suffix in SUFFIXES]
+    BERT_CASES
+    + [("MegatronBert", "ForMaskedLM")]
+    + [(family, suffix) for family in FAMILIES for suffix in suffixes(family) if suffix != "ForPreTraining"]
 )
 CASES += [("electra", "ForPreTraining"), ("albert", "ForPreTraining")]
 

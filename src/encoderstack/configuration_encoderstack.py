@@ -204,6 +204,7 @@ HEADS = {
     "eurobert": Heads(sequence="gelu", pooler=False, lm="decoder"),
     "ultrabert": Heads(lm_act="gelu_pytorch_tanh", pooler=False, lm="two_layer"),
     "neobert": Heads(sequence="tanh", pooler=False, lm="decoder"),
+    "deberta": Heads(sequence="gelu", choice="gelu", pooler=False),  # its ContextPooler; BERT's masked-LM head
     "albert": Heads(sentence_pair="sentence_order"),
 }
 HeadLayout = Literal[tuple(HEADS)]
@@ -211,6 +212,7 @@ HEAD_LAYOUTS = get_args(HeadLayout)
 LayerType = Literal["full_attention", "sliding_attention"]  # transformers' names
 LAYER_TYPES = get_args(LayerType)
 ClassifierPooling = Literal["first", "mean", "late"]
+AttentionProjection = Literal["query", "key", "value", "output", "position_key", "position_query"]
 
 
 @strict
@@ -235,8 +237,10 @@ class EncoderStackConfig(PreTrainedConfig):
         the rest are pre-LN.
     embedding_norm (`bool`, defaults to `True`):
         Normalize the summed embeddings (BERT does; Megatron-BERT does not).
-    position_embedding_type (`str`, defaults to `"absolute"`):
-        `"absolute"` (learned), `"sinusoidal"` (fixed, as in the 2017 Transformer) or `"rope"` (rotary).
+    position_embedding_type (`str`, *optional*, defaults to `"absolute"`):
+        `"absolute"` (learned), `"sinusoidal"` (fixed, as in the 2017 Transformer), `"rope"` (rotary) or `None`: no
+        positions at the input (DeBERTa-v3's `position_biased_input=False`, where `relative_attention` alone places
+        the tokens).
     rope_theta (`float`, defaults to 10000.0):
         Base of the rotary frequencies, used with `position_embedding_type="rope"` where `rope_parameters` names
         none.
@@ -251,8 +255,11 @@ class EncoderStackConfig(PreTrainedConfig):
     num_key_value_heads (`int`, *optional*):
         Grouped-query attention: the number of key/value heads, each shared by `num_attention_heads /
         num_key_value_heads` query heads (EuroBERT). `None`: one per query head.
-    attention_bias (`bool`, defaults to `True`):
-        Whether the query, key, value and output projections have biases (BERT's do; ModernBERT's, EuroBERT's not).
+    attention_bias (`bool` or `list[str]`, defaults to `True`):
+        Whether the query, key, value and output projections (and `relative_attention="disentangled"`'s position
+        projections) have biases (BERT's do; ModernBERT's, EuroBERT's not), or the list of those that have one, by
+        name: `"query"`, `"key"`, `"value"`, `"output"`, `"position_key"`, `"position_query"` (DeBERTa v1: every one
+        but the key and the position key).
     mlp_bias (`bool` or `"down"`, defaults to `True`):
         Which feed-forward projections have biases: all (`True`), none (`False`), or `"down"`, the output projection
         only (GTE's).
@@ -286,9 +293,10 @@ class EncoderStackConfig(PreTrainedConfig):
         dense, gelu, norm and the decoder; `"eurobert"`: sequence classification dense and gelu on the pooled features,
         the masked-LM head the decoder alone; `"ultrabert"`: the classifiers on the pooled or per-token features
         directly, the masked-LM head two projections through `prediction_head_size`, each followed by gelu (tanh);
-        `"neobert"`: sequence classification dense and tanh on the first token, the masked-LM head the decoder alone.
-        No pooler in these four. `"albert"`: BERT's heads, with a sentence-order head (ALBERT's) in place of the
-        next-sentence head in pre-training.
+        `"neobert"`: sequence classification dense and tanh on the first token, the masked-LM head the decoder alone;
+        `"deberta"`: DeBERTa's ContextPooler (dense and gelu on the first token) for sequence classification and
+        multiple choice, BERT's masked-LM head. No pooler in these five. `"albert"`: BERT's heads, with a
+        sentence-order head (ALBERT's) in place of the next-sentence head in pre-training.
     classifier_pooling (`str`, defaults to `"first"`):
         What the sequence-level heads read: `"first"` (each sequence's first real token), `"mean"` (the mean of its
         real tokens) or `"late"` (EuroBERT: the head's logits on every real token, averaged).
@@ -308,16 +316,34 @@ class EncoderStackConfig(PreTrainedConfig):
         |i - j| <= sliding_window, 2 * sliding_window + 1 keys in all. ModernBERT's `local_attention=128` is 64 here;
         UltraBERT's `sliding_window` is this radius already. Needed when a layer slides.
     relative_attention (`str`, *optional*):
-        A relative-position term added to every layer's attention scores, computed once per forward from the distances
-        between each sequence's tokens and shared by the layers: `None` (none) or `"bias"` (MPNet's: one learned bias
-        per head for each bucket of the key-minus-query distance, T5's bidirectional buckets). It runs on the eager
-        and sdpa backends (as an additive float mask); flash kernels take no score term, so the execution plan picks
-        a path that does and says so.
+        A relative-position term added to every layer's attention scores, from the distances between each sequence's
+        tokens: `None` (none), `"bias"` (MPNet's: one learned bias per head for each bucket of the key-minus-query
+        distance, T5's bidirectional buckets, computed once per forward and shared by the layers) or `"disentangled"`
+        (DeBERTa's: relative-position embeddings shared by the layers, which each layer projects with its own query
+        and key projections, adding content-to-position `c2p` (its queries against the key's distance) and
+        position-to-content `p2c` (its keys against the query's distance) terms; the scores are then scaled by
+        `sqrt(head_dim * (1 + len(pos_att_type)))`). It runs on the eager and sdpa backends (as an additive float
+        mask); flash kernels take no score term, so the execution plan picks a path that does and says so.
     relative_attention_num_buckets (`int`, defaults to 32):
         `relative_attention="bias"`: the number of distance buckets, half for each direction; of each half, the
         first half counts distances exactly and the rest grow logarithmically up to `relative_attention_max_distance`.
     relative_attention_max_distance (`int`, defaults to 128):
         `relative_attention="bias"`: the distance from which every farther key shares the last bucket.
+    position_buckets (`int`, *optional*):
+        `relative_attention="disentangled"`: DeBERTa's log buckets, `position_buckets` each way (256 in DeBERTa-v3):
+        the query-minus-key distances up to half of them count exactly, farther ones logarithmically up to
+        `max_relative_positions`. `None`: no buckets, each distance its own embedding up to `max_relative_positions`.
+    max_relative_positions (`int`, *optional*):
+        `relative_attention="disentangled"`: the distance the buckets reach (or, without buckets, the farthest
+        distance told apart). `None`: `max_position_embeddings`.
+    share_att_key (`bool`, defaults to `False`):
+        `relative_attention="disentangled"`: the relative-position embeddings are projected by the layer's own query
+        and key projections (DeBERTa-v3), not by projections of their own.
+    pos_att_type (`list[str]`, *optional*):
+        `relative_attention="disentangled"`: the terms, `"c2p"` and/or `"p2c"`.
+    norm_rel_ebd (`str`, defaults to `"none"`):
+        `relative_attention="disentangled"`: `"layer_norm"` normalizes the relative-position embeddings once per
+        forward (DeBERTa-v3), `"none"` leaves them as they are.
     num_hidden_groups (`int`, *optional*):
         Layer sharing, ALBERT's: the layers, in blocks of `inner_group_num`, are split in order into this many
         groups, and every block of a group runs the same `inner_group_num` stored layers (block b of B uses group
@@ -356,7 +382,7 @@ class EncoderStackConfig(PreTrainedConfig):
     dyt_alpha_init: float | int = 0.5
     mix_ln_ratio: float | int = 0.25
     embedding_norm: bool = True
-    position_embedding_type: Literal["absolute", "sinusoidal", "rope"] = "absolute"
+    position_embedding_type: Literal["absolute", "sinusoidal", "rope"] | None = "absolute"
     rope_theta: float | int = 10000.0
     resi_dual_scale: float | int = 1.0
     padding_free: bool = True
@@ -367,16 +393,21 @@ class EncoderStackConfig(PreTrainedConfig):
     layer_types: list[LayerType] | None = None
     sliding_window: int | None = None
     num_key_value_heads: int | None = None
-    attention_bias: bool = True
+    attention_bias: bool | list[AttentionProjection] = True
     mlp_bias: bool | Literal["down"] = True
     norm_bias: bool = True
     classifier_pooling: ClassifierPooling = "first"
     classifier_bias: bool = True
     decoder_bias: bool = True
     prediction_head_size: int | None = None
-    relative_attention: Literal["bias"] | None = None
+    relative_attention: Literal["bias", "disentangled"] | None = None
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
+    position_buckets: int | None = None
+    max_relative_positions: int | None = None
+    share_att_key: bool = False
+    pos_att_type: list[Literal["c2p", "p2c"]] | None = None
+    norm_rel_ebd: Literal["none", "layer_norm"] = "none"
     num_hidden_groups: int | None = None
     inner_group_num: int = 1
 
@@ -533,6 +564,10 @@ class EncoderStackConfig(PreTrainedConfig):
         self.check_layer_sharing()
 
     def check_relative_attention(self):
+        if "sliding_attention" in (self.layer_types or ()):
+            raise ValueError("`relative_attention` does not combine with sliding layers (`layer_types`).")
+        if self.relative_attention == "disentangled":
+            return self.check_disentangled_attention()
         buckets, distance = self.relative_attention_num_buckets, self.relative_attention_max_distance
         if buckets < 4:
             raise ValueError(
@@ -544,8 +579,27 @@ class EncoderStackConfig(PreTrainedConfig):
                 f"`relative_attention_max_distance` must exceed the {buckets // 4} distances counted exactly, got "
                 f"{distance}."
             )
-        if "sliding_attention" in (self.layer_types or ()):
-            raise ValueError("`relative_attention` does not combine with sliding layers (`layer_types`).")
+
+    def check_disentangled_attention(self):
+        terms = self.pos_att_type or []
+        if not terms or len(set(terms)) != len(terms):
+            raise ValueError(
+                f"relative_attention='disentangled' needs `pos_att_type`, 'c2p' and/or 'p2c' once each, got {terms!r}."
+            )
+        for name in ("position_buckets", "max_relative_positions"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"`{name}` must be a positive integer or None, got {getattr(self, name)}.")
+        reach = self.max_relative_positions or self.max_position_embeddings
+        if self.position_buckets is not None and reach <= self.position_buckets // 2 + 1:
+            raise ValueError(
+                f"`max_relative_positions` ({reach}) must exceed the {self.position_buckets // 2 + 1} distances the "
+                f"{self.position_buckets} `position_buckets` count exactly."
+            )
+        if self.num_key_value_heads not in (None, self.num_attention_heads):
+            raise ValueError(
+                "relative_attention='disentangled' projects the positions with every head's key: grouped-query "
+                f"attention (`num_key_value_heads` {self.num_key_value_heads}) is not supported."
+            )
 
     def check_rope_parameters(self):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -255,6 +255,10 @@ class ExecutionPlan:
         """Whether the layers run on the packed row of real tokens (and attention reads `cu_seq_lens`)."""
         return self.kind in ("varlen", "per_sequence")
 
+    def attended_length(self, hidden_states: torch.Tensor) -> int:
+        """The longest stretch of tokens attention sees: the packed row's longest sequence, else the row."""
+        return self.packing.max_length if self.packed else hidden_states.shape[1]
+
     def runs_as(self, layer_type: str) -> str:
         """The layer type a layer of `layer_type` runs as: a sliding layer whose window covers everything is full."""
         return "sliding_attention" if layer_type == "sliding_attention" and self.sliding else "full_attention"
@@ -663,7 +667,7 @@ def attention_masks(
         )
     if relative is not None:
         # every sequence's tokens stand side by side, so distances along the row are distances within a sequence
-        scores = relative(packing.max_length if plan.packed else hidden_states.shape[1], plan.facts.dtype)
+        scores = relative(plan.attended_length(hidden_states), plan.facts.dtype)
         if plan.packed:
             masks["full_attention"] = [scores[..., :length, :length] for length in packing.lengths]
         else:

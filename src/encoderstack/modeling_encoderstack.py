@@ -13,6 +13,7 @@ only): `save_pretrained` copies this file and the two it imports next to the wei
 import copy
 import math
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 from torch import nn
@@ -39,6 +40,7 @@ from .configuration_encoderstack import (  # noqa: F401 (Placement, PLACEMENTS, 
     GATED_ACTIVATIONS,
     HEADS,
     PLACEMENTS,
+    AttentionProjection,
     EncoderStackConfig,
     Heads,
     Placement,
@@ -53,6 +55,7 @@ from .execution_encoderstack import (
     execution_plan,
     holds_integers,
     linear,
+    with_score_term,
 )
 
 logger = logging.get_logger(__name__)
@@ -237,6 +240,57 @@ class RelativePositionBias(nn.Module):
         return self.bias(buckets).permute(2, 0, 1).unsqueeze(0).to(dtype)
 
 
+def log_bucket_position(distance: torch.Tensor, buckets: int, max_position: int) -> torch.Tensor:
+    """DeBERTa's log buckets of the query-minus-key `distance`: exact up to half the buckets, then logarithmic up to
+    `max_position`, with the distance's sign (the same float32 operations as `make_log_bucket_position`, so that a
+    distance on a bucket's edge falls on the same side)."""
+    mid = buckets // 2
+    far = torch.where((distance < mid) & (distance > -mid), mid - 1, distance.abs())
+    steps = torch.log(far / mid) / torch.log(torch.tensor((max_position - 1) / mid)) * (mid - 1)
+    logarithmic = torch.ceil(steps) + mid
+    return torch.where(far <= mid, distance.float(), logarithmic * distance.sign()).long()
+
+
+@dataclass
+class RelativePositions:
+    """DeBERTa's relative positions for one forward: the (normalized) embeddings of the buckets a query-key pair of
+    this forward can fall in, and, for each pair of a `length`-token stretch, the row of `embeddings` it reads."""
+
+    embeddings: torch.Tensor  # (rows, hidden)
+    index: torch.Tensor  # (length, length), query i and key j -> the row of i - j
+
+
+class DisentangledPositions(nn.Module):
+    """`relative_attention="disentangled"` (DeBERTa's): `2 * span` relative-position embeddings shared by the layers
+    (normalized once per forward where `norm_rel_ebd="layer_norm"`), each for a bucket of the query-minus-key
+    distance; every layer projects them with its own projections (see `EncoderStackAttention.position_terms`). Only
+    distances matter, so one index table serves every sequence of up to `length` tokens, wherever it starts in its
+    row."""
+
+    def __init__(self, config: EncoderStackConfig):
+        super().__init__()
+        self.buckets = config.position_buckets
+        self.max_position = config.max_relative_positions or config.max_position_embeddings
+        self.span = self.buckets or self.max_position
+        self.embeddings = nn.Embedding(2 * self.span, config.hidden_size)
+        self.norm = make_norm(config) if config.norm_rel_ebd == "layer_norm" else nn.Identity()
+
+    def row_of(self, distance: torch.Tensor) -> torch.Tensor:
+        """The embedding row of each query-minus-key distance."""
+        if self.buckets is not None:
+            distance = log_bucket_position(distance, self.buckets, self.max_position)
+        return (distance + self.span).clamp(0, 2 * self.span - 1)
+
+    def forward(self, length: int, dtype: torch.dtype) -> RelativePositions:
+        positions = torch.arange(length, device=self.embeddings.weight.device)
+        index = self.row_of(positions[:, None] - positions[None, :])
+        embeddings = self.embeddings.weight
+        if not torch.compiler.is_compiling():  # only the rows this length reaches (the row grows with the distance)
+            first, last = self.row_of(torch.tensor([1 - length, length - 1])).tolist()  # on the host: no sync
+            embeddings, index = embeddings[first : last + 1], index - first
+        return RelativePositions(self.norm(embeddings).to(dtype), index)
+
+
 class EncoderStackKwargs(TransformersKwargs, total=False):
     """transformers' forward kwargs, and ours: `padding_free` overrides `config.padding_free` for one call; `plan` is
     how a task head hands the encoder the `ExecutionPlan` it made (see `EncoderStackModel.execution_plan`)."""
@@ -277,17 +331,60 @@ class EncoderStackAttention(nn.Module):
         # grouped-query attention: each key/value head serves `groups` query heads
         kv_size = (config.num_key_value_heads or config.num_attention_heads) * self.head_dim
         self.groups = config.hidden_size // kv_size
-        bias = config.attention_bias
-        self.query = LayerProjection(config.hidden_size, config.hidden_size, bias=bias)
-        self.key = LayerProjection(config.hidden_size, kv_size, bias=bias)
-        self.value = BranchProjection(config.hidden_size, kv_size, bias=bias)
-        self.output = BranchProjection(config.hidden_size, config.hidden_size, bias=bias)
+        given = config.attention_bias  # all, none, or the names of those with a bias
+        bias = {name: given if isinstance(given, bool) else name in given for name in get_args(AttentionProjection)}
+        self.query = LayerProjection(config.hidden_size, config.hidden_size, bias=bias["query"])
+        self.key = LayerProjection(config.hidden_size, kv_size, bias=bias["key"])
+        self.value = BranchProjection(config.hidden_size, kv_size, bias=bias["value"])
+        self.output = BranchProjection(config.hidden_size, config.hidden_size, bias=bias["output"])
         self.attention_dropout = config.attention_probs_dropout_prob
         # HybridNorm's QKV-norm: one norm over each head's features, shared by the heads, as its reference code
         norms = [make_norm(config, self.head_dim) if qkv_norm else nn.Identity() for _ in range(3)]
         self.query_norm, self.key_norm, self.value_norm = norms
+        # DeBERTa's disentangled attention: the terms this layer adds to its scores, which scale with them
+        self.pos_att_type = tuple(config.pos_att_type or ()) if config.relative_attention == "disentangled" else ()
+        if self.pos_att_type:
+            self.scaling = (self.head_dim * (1 + len(self.pos_att_type))) ** -0.5
+            self.position_dropout = nn.Dropout(config.hidden_dropout_prob)
+            self.share_att_key = config.share_att_key
+            if not config.share_att_key:  # projections of the positions of their own, as DeBERTa v1's and v2's
+                size, terms = config.hidden_size, self.pos_att_type
+                self.position_key = LayerProjection(size, size, bias["position_key"]) if "c2p" in terms else None
+                self.position_query = LayerProjection(size, size, bias["position_query"]) if "p2c" in terms else None
 
-    def forward(self, hidden_states, attention_mask, rotary=None, plan=None, **kwargs):
+    def position_projections(self) -> dict:
+        """Each term's projection of the relative positions: c2p reads them as keys, p2c as queries; the layer's own
+        key and query projections where `share_att_key` (DeBERTa-v3)."""
+        as_key, as_query = (self.key, self.query) if self.share_att_key else (self.position_key, self.position_query)
+        return {term: {"c2p": as_key, "p2c": as_query}[term] for term in self.pos_att_type}
+
+    def with_position_terms(self, query, key, positions, attention_mask, sequence_lengths=None):
+        """The mask with this layer's disentangled terms added as scores: one (batch, heads, L, L) term for the rows,
+        or, on the per-sequence path (`sequence_lengths`), one per sequence from its own queries and keys."""
+        relative = self.position_dropout(positions.embeddings)
+        projected = {
+            term: projection(relative).view(relative.shape[0], -1, self.head_dim).transpose(0, 1)
+            for term, projection in self.position_projections().items()
+        }  # (heads, rows, head_dim)
+        if sequence_lengths is None:
+            return with_score_term(attention_mask, self.position_terms(query, key, projected, positions.index))
+        pieces = zip(query.split(sequence_lengths, dim=2), key.split(sequence_lengths, dim=2))
+        return [self.position_terms(q, k, projected, positions.index) for q, k in pieces]
+
+    def position_terms(self, query, key, projected, index) -> torch.Tensor:
+        """c2p[i, j] = q_i . r_k[row(i - j)], each query against the key's distance to it, and p2c[i, j] =
+        k_j . r_q[row(i - j)], each key against the query's distance, scaled as the content scores are."""
+        length = query.shape[2]
+        index = index[:length, :length].expand(*query.shape[:2], length, length)
+        terms = 0
+        if "c2p" in projected:
+            terms = terms + torch.matmul(query, projected["c2p"].transpose(-1, -2)).gather(-1, index)
+        if "p2c" in projected:  # gathered per key (the index transposed), then transposed back to (query, key)
+            by_key = torch.matmul(key, projected["p2c"].transpose(-1, -2)).gather(-1, index.transpose(-1, -2))
+            terms = terms + by_key.transpose(-1, -2)
+        return terms * self.scaling
+
+    def forward(self, hidden_states, attention_mask, rotary=None, plan=None, positions=None, **kwargs):
         heads_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query, key, value = (
             norm(proj(hidden_states).view(heads_shape))
@@ -298,6 +395,10 @@ class EncoderStackAttention(nn.Module):
         if self.groups > 1:
             key, value = (x.repeat_interleave(self.groups, dim=-2) for x in (key, value))
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
+        if positions is not None:  # DeBERTa's: c2p and p2c from this layer's queries and keys, added to the scores
+            attention_mask = self.with_position_terms(
+                query, key, positions, attention_mask, kwargs.get("sequence_lengths")
+            )
         name, window = (self.config._attn_implementation, {}) if plan is None else plan.layer_attention(self.layer_type)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)
         context, weights = attention(
@@ -559,7 +660,8 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         super().__init__(config)
         self.embeddings = EncoderStackEmbeddings(config)
         self.rotary = EncoderStackRotaryEmbedding(config) if config.position_embedding_type == "rope" else None
-        self.relative_attention = RelativePositionBias(config) if config.relative_attention == "bias" else None
+        relative = {"bias": RelativePositionBias, "disentangled": DisentangledPositions}.get(config.relative_attention)
+        self.relative_attention = relative(config) if relative is not None else None
         # `layers` holds each stored layer once (built as its first use); `layer_order`, the stored layer each runs
         self.layer_order = config.stored_layer_of()
         self.layers = nn.ModuleList(
@@ -610,14 +712,20 @@ class EncoderStackModel(EncoderStackPreTrainedModel):
         if plan.packed:
             kwargs.update(packing.attention_kwargs())
         layer_types = [layer.layer_type for layer in self.layers]
-        masks = attention_masks(self.config, plan, layer_types, hidden_states, attention_mask, self.relative_attention)
+        disentangled = self.config.relative_attention == "disentangled"
+        bias = None if disentangled else self.relative_attention  # MPNet's: one score table, folded into the masks
+        masks = attention_masks(self.config, plan, layer_types, hidden_states, attention_mask, bias)
+        # DeBERTa's: the relative positions once per forward, which each layer reads with its own queries and keys
+        positions = None
+        if disentangled:
+            positions = self.relative_attention(plan.attended_length(hidden_states), plan.facts.dtype)
         # in the compute dtype: under autocast, float32 tables would promote bfloat16 queries and keys back to float32
         rotary = self.rotary(position_ids, plan.facts.dtype) if self.rotary is not None else None
         dual = None
         for stored in self.layer_order:
             layer = self.layers[stored]
             mask = masks[plan.runs_as(layer.layer_type)]
-            hidden_states, dual = layer(hidden_states, dual, mask, rotary, plan=plan, **kwargs)
+            hidden_states, dual = layer(hidden_states, dual, mask, rotary, plan=plan, positions=positions, **kwargs)
         hidden_states = self.final(hidden_states, dual)
         if plan.packed:  # scatter once, at the end
             hidden_states = packing.unpack(hidden_states)

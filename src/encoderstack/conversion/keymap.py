@@ -16,6 +16,8 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..configuration_encoderstack import HEADS
+
 
 class ConversionError(ValueError):
     """A checkpoint that cannot be converted as asked; the message names the file and the key."""
@@ -259,13 +261,18 @@ class Family:
     export_fields: Callable[[object], dict] = lambda config: {}
     # convert's parity reference: the family's own transformers class for the task (`architecture`), where there is one
     transformers_reference: bool = True
+    # (the conversion plan) -> what the reference's `from_pretrained` needs beyond the source's config.json
+    reference_kwargs: Callable[[object], dict] = lambda plan: {}
 
     def architecture(self, task: "Task") -> str:
         return self.architecture_names.get(task.name, self.architecture_prefix + task.bert_suffix)
 
     @property
     def encoder_keys(self) -> list:
-        return [*self.extra_encoder_keys, *ENCODER_KEYS]
+        """Its own keys, then BERT's; without BERT's pooler where its layout has none (DeBERTa's heads name theirs
+        `pooler`)."""
+        keys = [*self.extra_encoder_keys, *ENCODER_KEYS]
+        return keys if HEADS[self.head_layout].pooler else [pair for pair in keys if not pair[0].startswith("pooler.")]
 
     def has(self, task: "Task") -> bool:
         return task.name in self.tasks
@@ -938,10 +945,128 @@ FAMILIES["albert"] = Family(
     },
 )
 
+
+def deberta_fields(config: dict, v1: bool = False) -> dict:
+    """DeBERTa: BERT's post-LN layers with disentangled attention (relative-position embeddings shared by the layers,
+    projected in each, as c2p and p2c terms in its scores), absolute positions at the input only where
+    `position_biased_input` (deberta-base and v3 have none), and its heads: the ContextPooler's dense and activation on
+    the first token, BERT's masked-LM transform (`cls.predictions`, or `lm_predictions.lm_head` where `legacy=false`).
+    v2 and v3 add log buckets, shared position keys and a norm of the relative embeddings; v1 has a fused `in_proj`
+    without biases, its own query and value biases, and a position key projection without one."""
+    hidden = config.get("hidden_size")
+    head_size = hidden // max(config.get("num_attention_heads") or 1, 1)
+    unsupported = {
+        "conv_kernel_size": (config.get("conv_kernel_size", 0), 0, "the convolution after the first layer"),
+        "talking_head": (config.get("talking_head", False), False, "attention without talking heads"),
+        "embedding_size": (config.get("embedding_size", hidden), hidden, "embed_proj, normalized after projection"),
+        "attention_head_size": (config.get("attention_head_size", head_size), head_size, "hidden_size / heads"),
+        "pooler_hidden_act": (config.get("pooler_hidden_act", "gelu"), "gelu", "the ContextPooler's gelu"),
+        "pooler_hidden_size": (config.get("pooler_hidden_size", hidden), hidden, "a pooler as wide as the layers"),
+    }
+    for name, (value, supported, why) in unsupported.items():
+        if value != supported:
+            raise ConversionError(f"DeBERTa's {name} {value!r} is not supported (EncoderStack converts {why})")
+    terms = config.get("pos_att_type") or []
+    terms = [term.strip() for term in terms.lower().split("|")] if isinstance(terms, str) else list(terms)
+    if any(term not in ("c2p", "p2c") for term in terms):
+        raise ConversionError(f"DeBERTa's pos_att_type {terms!r} is not supported (c2p and/or p2c)")
+    relative = {}
+    if config.get("relative_attention", False) and terms:
+        buckets, reach = config.get("position_buckets", -1), config.get("max_relative_positions", -1)
+        norms = [name.strip() for name in str(config.get("norm_rel_ebd", "none")).lower().split("|")]
+        relative = {
+            "relative_attention": "disentangled",
+            "position_buckets": buckets if buckets > 0 and not v1 else None,
+            "max_relative_positions": reach if reach >= 1 else config.get("max_position_embeddings", 512),
+            "share_att_key": config.get("share_att_key", False) and not v1,
+            "pos_att_type": [term for term in ("c2p", "p2c") if term in terms],
+            "norm_rel_ebd": "layer_norm" if "layer_norm" in norms and not v1 else "none",
+        }
+    fields = {
+        "position_embedding_type": "absolute" if config.get("position_biased_input", True) else None,
+        "type_vocab_size": config.get("type_vocab_size", 0),
+        "layer_norm_eps": config.get("layer_norm_eps", 1e-7),
+        "classifier_dropout": config.get("cls_dropout"),
+        **relative,
+    }
+    if v1:  # `in_proj` has no bias: the query and value biases are its own, the key has none, nor the position key
+        fields["attention_bias"] = ["query", "value", "output", "position_query"]
+    return fields
+
+
+DEBERTA_CONTEXT_POOLER = (("pooler.dense.{p}", "pre_classifier.{p}"), ("classifier.{p}", "classifier.{p}"))
+DEBERTA_HEADS = {
+    "fill-mask": (
+        *LM_HEAD_KEYS,  # legacy=true (the default)
+        ("lm_predictions.lm_head.dense.{p}", "lm_head.dense.{p}"),  # legacy=false: tied to the word embeddings
+        ("lm_predictions.lm_head.LayerNorm.{p}", "lm_head.norm.{p}"),
+        ("lm_predictions.lm_head.bias", "lm_head.decoder.bias"),
+    ),
+    "text-classification": DEBERTA_CONTEXT_POOLER,
+    "multiple-choice": DEBERTA_CONTEXT_POOLER,
+}
+
+
+# DeBERTa-v3's releases also hold its pre-training discriminator, which transformers' classes ignore (as they do here)
+DEBERTA_SKIPPED = {
+    **SKIPPED_KEYS,
+    **{
+        f"mask_predictions.{part}.{p}": "DeBERTa-v3's replaced-token-detection head, which transformers' classes ignore"
+        for part in ("dense", "LayerNorm", "classifier")
+        for p in ("weight", "bias")
+    },
+}
+
+
+def deberta_reference(plan) -> dict:
+    """A masked-LM head stored as `lm_predictions` (the v3 releases, whose configs leave `legacy` at its default, true)
+    is what DeBERTa's class reads with `legacy=false`; with the default it would start a fresh `cls` head."""
+    sources = (rows.key for pieces in plan.mapped.values() for rows in pieces)
+    return {"legacy": False} if any("lm_predictions." in key for key in sources) else {}
+
+
+def deberta_family(**declaration) -> Family:
+    deberta = {"key_prefix": "deberta.", "head_layout": "deberta", "head_keys": DEBERTA_HEADS, "tasks": ROBERTA_TASKS}
+    return Family(**{**deberta, "skipped": DEBERTA_SKIPPED, "reference_kwargs": deberta_reference, **declaration})
+
+
+FAMILIES |= {
+    "deberta-v2": deberta_family(
+        architecture_prefix="DebertaV2",
+        fields=deberta_fields,
+        extra_encoder_keys=(
+            ("encoder.layer.{i}.attention.self.query_proj.{p}", "layers.{i}.attention.query.{p}"),
+            ("encoder.layer.{i}.attention.self.key_proj.{p}", "layers.{i}.attention.key.{p}"),
+            ("encoder.layer.{i}.attention.self.value_proj.{p}", "layers.{i}.attention.value.{p}"),
+            ("encoder.layer.{i}.attention.self.pos_key_proj.{p}", "layers.{i}.attention.position_key.{p}"),
+            ("encoder.layer.{i}.attention.self.pos_query_proj.{p}", "layers.{i}.attention.position_query.{p}"),
+            ("encoder.rel_embeddings.weight", "relative_attention.embeddings.weight"),
+            ("encoder.LayerNorm.{p}", "relative_attention.norm.{p}"),
+        ),
+    ),
+    "deberta": deberta_family(
+        architecture_prefix="Deberta",
+        fields=lambda config: deberta_fields(config, v1=True),
+        tasks=tuple(task for task in ROBERTA_TASKS if task != "multiple-choice"),  # transformers has no v1 class
+        extra_encoder_keys=(
+            (
+                "encoder.layer.{i}.attention.self.in_proj.weight",  # per head [q; k; v]
+                tuple(
+                    Piece(f"layers.{{i}}.attention.{name}.weight", head_part(index, of=3))
+                    for index, name in enumerate(("query", "key", "value"))
+                ),
+            ),
+            ("encoder.layer.{i}.attention.self.q_bias", "layers.{i}.attention.query.bias"),
+            ("encoder.layer.{i}.attention.self.v_bias", "layers.{i}.attention.value.bias"),
+            ("encoder.layer.{i}.attention.self.pos_proj.weight", "layers.{i}.attention.position_key.weight"),
+            ("encoder.layer.{i}.attention.self.pos_q_proj.{p}", "layers.{i}.attention.position_query.{p}"),
+            ("encoder.rel_embeddings.weight", "relative_attention.embeddings.weight"),
+        ),
+    ),
+}
+
 # Families that transformers has but EncoderStack's layers cannot express, and why.
 REFUSED_FAMILIES = {
-    "deberta": "DeBERTa's disentangled attention adds content-to-position terms inside attention",
-    "deberta-v2": "DeBERTa's disentangled attention adds content-to-position terms inside attention",
     "funnel": "Funnel-Transformer pools the sequence between blocks",
     "longformer": "Longformer's global tokens attend through their own query, key and value projections",
     "big_bird": "BigBird's block-sparse attention is not BERT's dense attention",

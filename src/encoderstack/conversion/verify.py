@@ -193,7 +193,10 @@ def verify_folder(reference_folder, conversion, folder) -> dict:
         # Megatron-BERT has no SDPA in transformers: our SDPA path is then checked against its eager one.
         reference_backend = backend if reference_class._supports_sdpa else "eager"
         reference = reference_class.from_pretrained(
-            reference_folder, attn_implementation=reference_backend, dtype=torch.float32
+            reference_folder,
+            attn_implementation=reference_backend,
+            dtype=torch.float32,
+            **family.reference_kwargs(conversion),
         ).eval()
         expected = run(reference, batches, backend)
         del reference

@@ -96,6 +96,7 @@ def architecture_rows(config: EncoderStackConfig, class_name: str) -> list[tuple
         "absolute": f"learned, up to {config.max_position_embeddings} tokens",
         "sinusoidal": "fixed sinusoids (2017 Transformer)",
         "rope": f"rotary, θ = {config.rope_theta:g}",
+        None: "none at the input",
     }[config.position_embedding_type]
     if config.position_embedding_type == "rope":
         types = sorted(set(config.layer_types or ["full_attention"]))
@@ -110,6 +111,14 @@ def architecture_rows(config: EncoderStackConfig, class_name: str) -> list[tuple
         positions += (
             f"; a learned relative-position bias in every layer's scores ({config.relative_attention_num_buckets} "
             f"buckets, max distance {config.relative_attention_max_distance})"
+        )
+    elif config.relative_attention == "disentangled":
+        buckets = f"{config.position_buckets} log buckets" if config.position_buckets else "no buckets"
+        positions += (
+            f"; DeBERTa's disentangled attention ({'+'.join(config.pos_att_type)}, {buckets}, max distance "
+            f"{config.max_relative_positions or config.max_position_embeddings}"
+            + (", shared key projections" if config.share_att_key else "")
+            + ")"
         )
     return [
         (
