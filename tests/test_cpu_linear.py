@@ -17,7 +17,7 @@ def onednn_calls(monkeypatch):
     calls = []
 
     def counted(*args):
-        calls.append(args[0].dtype)
+        calls.append(args[3])  # the post-op
         return execution_encoderstack.torch.ops.mkldnn._linear_pointwise(*args)
 
     monkeypatch.setattr(execution_encoderstack, "onednn_linear", counted)
@@ -37,6 +37,18 @@ def test_float32_inference_runs_every_projection_through_onednn_with_f_linear_s_
     with torch.no_grad():
         plain = model(**batch()).logits
     torch.testing.assert_close(fast, plain, atol=1e-5, rtol=0)
+
+
+def test_inference_runs_exact_gelu_in_the_up_projection_s_gemm_with_torch_s_numbers(onednn_calls):
+    model = build(encoderstack.EncoderStackModel, hidden_act="gelu")
+    with torch.no_grad():
+        fused = model(**batch()).last_hidden_state
+    assert onednn_calls.count("gelu") == model.config.num_hidden_layers
+    for layer in model.layers:
+        layer.mlp.fused_act = None
+    with torch.no_grad():
+        separate = model(**batch()).last_hidden_state
+    torch.testing.assert_close(fused, separate, atol=1e-6, rtol=0)
 
 
 def gradients(model, monkeypatch, onednn: bool) -> dict:

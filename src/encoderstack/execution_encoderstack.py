@@ -54,22 +54,30 @@ class OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear`, through oneDNN for float32 on the CPU. torch's float32 CPU linear is MKL's GEMM: 107 GFLOP/s on
-    one AMD EPYC core (AVX-512) against oneDNN's 240, a MiniLM forward 1.7x faster (docs/performance.md); on Intel
-    cores oneDNN measured 1.15x. bf16 already runs in oneDNN. Autocast, compilers and exporters keep `F.linear`: the
-    op has no autocast rule, no meta kernel for tracing, no ONNX symbol."""
-    if not (
+FUSED_ACTIVATIONS = {"gelu": ("gelu", "none", nn.functional.gelu)}  # oneDNN post-op, its algorithm, torch's own
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None = None):
+    """`F.linear` (then `activation`, a `FUSED_ACTIVATIONS` name), through oneDNN for float32 on the CPU. torch's
+    float32 CPU linear is MKL's GEMM: 107 GFLOP/s on one AMD EPYC core (AVX-512) against oneDNN's 240, a MiniLM
+    forward 1.7x faster (docs/performance.md); on Intel cores oneDNN measured 1.15x. bf16 already runs in oneDNN.
+    In inference the activation runs in the GEMM's epilogue (exact GELU: the same numbers as torch's, one pass over
+    the FFN's widest tensor less). Autocast, compilers and exporters keep `F.linear`: the op has no autocast rule, no
+    meta kernel for tracing, no ONNX symbol."""
+    if (
         ONEDNN_LINEAR
         and x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and not torch.is_autocast_enabled("cpu")
         and not (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export())
     ):
-        return nn.functional.linear(x, weight, bias)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return OneDNNLinear.apply(x, weight, bias)
-    return onednn_linear(x, weight, bias, "none", [], "")
+        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
+            post_op, algorithm = FUSED_ACTIVATIONS[activation][:2] if activation else ("none", "")
+            return onednn_linear(x, weight, bias, post_op, [], algorithm)
+        output = OneDNNLinear.apply(x, weight, bias)
+    else:
+        output = nn.functional.linear(x, weight, bias)
+    return FUSED_ACTIVATIONS[activation][2](output) if activation else output
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):

@@ -46,6 +46,7 @@ from .configuration_encoderstack import (  # noqa: F401 (Placement, PLACEMENTS, 
     Placement,
 )
 from .execution_encoderstack import (
+    FUSED_ACTIVATIONS,
     VARLEN_KWARGS,
     ExecutionPlan,
     PackedSequences,
@@ -300,10 +301,11 @@ class EncoderStackKwargs(TransformersKwargs, total=False):
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` whose forward is `execution_encoderstack.linear` (oneDNN for float32 CPU inference)."""
+    """`nn.Linear` whose forward is `execution_encoderstack.linear` (oneDNN for float32 on the CPU), optionally
+    followed by an activation it may fuse."""
 
-    def forward(self, x):
-        return linear(x, self.weight, self.bias)
+    def forward(self, x, activation: str | None = None):
+        return linear(x, self.weight, self.bias, activation)
 
 
 class LayerProjection(Linear):
@@ -425,11 +427,14 @@ class EncoderStackMLP(nn.Module):
         up_bias, down_bias = config.mlp_bias is True, config.mlp_bias in (True, "down")
         self.up = BranchProjection(config.hidden_size, config.intermediate_size * (2 if self.gated else 1), up_bias)
         self.down = BranchProjection(config.intermediate_size, config.hidden_size, down_bias)
+        self.fused_act = config.hidden_act if config.hidden_act in FUSED_ACTIVATIONS else None  # in the up GEMM
 
     def forward(self, hidden_states):
         if self.gated:
             gate, up = self.up(hidden_states).chunk(2, dim=-1)
             return self.down(self.act(gate) * up)
+        if self.fused_act:
+            return self.down(self.up(hidden_states, self.fused_act))
         return self.down(self.act(self.up(hidden_states)))
 
 
