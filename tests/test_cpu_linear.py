@@ -1,6 +1,6 @@
-"""Float32 on the CPU runs the model's projections through oneDNN (faster than torch's MKL linear, measured in
-docs/performance.md), in inference and in training, with F.linear's numbers; autocast, bf16 and compilers keep
-F.linear."""
+"""On the CPU the model's projections run in oneDNN (faster than torch's MKL linear, measured in docs/performance.md)
+in float32, and in bf16 where the CPU has it, in inference and in training, with F.linear's numbers; autocast and
+compilers keep F.linear."""
 
 import pytest
 import torch
@@ -85,13 +85,20 @@ def test_frozen_weights_with_a_recorded_input_get_the_input_gradient_alone(onedn
     torch.testing.assert_close(fast, embeds.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_autocast_and_bfloat16_weights_keep_f_linear(onednn_calls):
+def test_autocast_keeps_f_linear(onednn_calls):
     model = build(encoderstack.EncoderStackModel)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert model(**batch()).pooler_output.dtype == torch.bfloat16  # a linear and tanh: autocast ran it
-    with torch.no_grad():
-        model.to(torch.bfloat16)(**batch())
     assert onednn_calls == []
+
+
+def test_bfloat16_weights_run_in_onednn_exactly_where_the_cpu_has_native_bf16(onednn_calls):
+    model = build(encoderstack.EncoderStackModel).to(torch.bfloat16)
+    with torch.no_grad():
+        model(**batch())
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert (torch.bfloat16 in execution_encoderstack.ONEDNN_DTYPES) == native
+    assert len(onednn_calls) == (projections(model) if native else 0)
 
 
 def test_a_compiled_model_keeps_f_linear(onednn_calls):

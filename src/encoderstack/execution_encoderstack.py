@@ -28,6 +28,12 @@ from .configuration_encoderstack import EncoderStackConfig
 
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 onednn_linear = torch.ops.mkldnn._linear_pointwise if ONEDNN_LINEAR else None
+# bf16 where the CPU computes it natively (AVX-512 BF16, AMX); elsewhere oneDNN would emulate it
+ONEDNN_DTYPES = (
+    (torch.float32, torch.bfloat16)
+    if ONEDNN_LINEAR and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    else (torch.float32,)
+)
 
 
 class OneDNNLinear(torch.autograd.Function):
@@ -58,16 +64,17 @@ FUSED_ACTIVATIONS = {"gelu": ("gelu", "none", nn.functional.gelu)}  # oneDNN pos
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None = None):
-    """`F.linear` (then `activation`, a `FUSED_ACTIVATIONS` name), through oneDNN for float32 on the CPU. torch's
-    float32 CPU linear is MKL's GEMM: 107 GFLOP/s on one AMD EPYC core (AVX-512) against oneDNN's 240, a MiniLM
-    forward 1.7x faster (docs/performance.md); on Intel cores oneDNN measured 1.15x. bf16 already runs in oneDNN.
-    In inference the activation runs in the GEMM's epilogue (exact GELU: the same numbers as torch's, one pass over
-    the FFN's widest tensor less). Autocast, compilers and exporters keep `F.linear`: the op has no autocast rule, no
-    meta kernel for tracing, no ONNX symbol."""
+    """`F.linear` (then `activation`, a `FUSED_ACTIVATIONS` name), through oneDNN on the CPU in float32, and in bf16
+    where the CPU has it. torch's float32 CPU linear is MKL's GEMM: 107 GFLOP/s on one AMD EPYC core (AVX-512)
+    against oneDNN's 240, a MiniLM forward 1.7x faster (docs/performance.md); on Intel cores oneDNN measured 1.15x.
+    In inference the activation runs in the GEMM's epilogue (exact GELU: float32's numbers unchanged, one pass over
+    the FFN's widest tensor less: 1.2x more). Autocast, compilers and exporters keep `F.linear`: the op has no
+    autocast rule, no meta kernel for tracing, no ONNX symbol."""
     if (
         ONEDNN_LINEAR
         and x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
+        and x.dtype == weight.dtype
+        and x.dtype in ONEDNN_DTYPES
         and not torch.is_autocast_enabled("cpu")
         and not (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export())
     ):
