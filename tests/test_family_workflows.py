@@ -90,22 +90,19 @@ RELATIVE_TERM_CARDS = {  # what the card says of each family's relative term
 }
 
 
+def short_pretrain(model, tmp_path) -> dict:
+    """Four steps of continued masked-LM pre-training on a little real text, into tmp_path / "out"."""
+    corpus = stdlib_corpus(tmp_path / "corpus.txt", max_bytes=6_000)
+    settings = {"max_length": 32, "batch_size": 8, "max_steps": 4, "eval_steps": 2, "lr": 3e-3, "seed": 0}
+    return pretrain(model=model, train=corpus, output=tmp_path / "out", **settings)
+
+
 @pytest.mark.parametrize("family", ["roberta", "mpnet", "deberta-v2"])
 def test_continued_pretraining_of_a_converted_family_model_lowers_its_eval_loss_and_its_card_names_the_family(
     masked_lm, family, tmp_path
 ):
     _, folder = masked_lm(family)
-    record = pretrain(
-        model=folder,
-        train=stdlib_corpus(tmp_path / "corpus.txt", max_bytes=6_000),
-        output=tmp_path / "out",
-        max_length=32,
-        batch_size=8,
-        max_steps=4,
-        eval_steps=2,
-        lr=3e-3,
-        seed=0,
-    )
+    record = short_pretrain(folder, tmp_path)
     assert record["eval_loss_after"] < record["eval_loss_before"]
     config = encoderstack.EncoderStackConfig.from_pretrained(tmp_path / "out")
     assert config.head_layout == REGISTRY[family].head_layout
@@ -125,17 +122,7 @@ def test_a_converted_mpnet_switched_to_pre_ln_trains_with_its_relative_bias(mask
     encoderstack.EncoderStackForMaskedLM.from_pretrained(folder, config=config).save_pretrained(tmp_path / "pre")
     transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(tmp_path / "pre")
     before = load_file(tmp_path / "pre" / "model.safetensors")["model.relative_attention.bias.weight"]
-    record = pretrain(
-        model=tmp_path / "pre",
-        train=stdlib_corpus(tmp_path / "corpus.txt", max_bytes=6_000),
-        output=tmp_path / "out",
-        max_length=32,
-        batch_size=8,
-        max_steps=4,
-        eval_steps=2,
-        lr=3e-3,
-        seed=0,
-    )
+    record = short_pretrain(tmp_path / "pre", tmp_path)
     assert record["eval_loss_after"] < record["eval_loss_before"]
     trained = encoderstack.EncoderStackConfig.from_pretrained(tmp_path / "out")
     assert (trained.norm_placement, trained.relative_attention) == ("pre", "bias")
