@@ -140,6 +140,12 @@ def common_arguments(description, sizes, models):
         help="wall: elapsed time (default); cpu: CPU time of this process, which leaves out the time "
         "other processes take the cores (a control for a shared machine; use with --threads 1)",
     )
+    parser.add_argument(
+        "--cpu-linear",
+        choices=("torch", "onednn"),
+        default="torch",
+        help="EncoderStack's config.cpu_linear: the library of its float32 projections on the CPU (default: torch's)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -172,7 +178,7 @@ def load_pair(spec, bert_class, ours_class, folder, **config):
         torch.manual_seed(0)
         bert = bert_class(transformers.BertConfig(**{**bert_config(spec).to_dict(), **config}))
     bert.save_pretrained(folder)
-    return bert.eval(), ours_class.from_pretrained(folder).eval()
+    return bert.eval(), ours_class.from_pretrained(folder, cpu_linear=CPU_LINEAR).eval()
 
 
 def mlm_training_pair(spec, device):
@@ -238,11 +244,14 @@ def synchronize(device):
 CLOCK = time.perf_counter
 DTYPE = torch.float32
 AUTOCAST = None  # the dtype of torch.autocast around every timed call, or None
+CPU_LINEAR = "torch"  # EncoderStack's config.cpu_linear
 
 
 def setup(args):
-    """Applies --threads, --clock, --dtype (`place` then puts a model on the device in that dtype) and --autocast."""
-    global CLOCK, DTYPE, AUTOCAST
+    """Applies --threads, --clock, --dtype (`place` then puts a model on the device in that dtype), --autocast and
+    --cpu-linear (`load_pair` builds EncoderStack with it)."""
+    global CLOCK, DTYPE, AUTOCAST, CPU_LINEAR
+    CPU_LINEAR = getattr(args, "cpu_linear", "torch")
     if args.threads:
         torch.set_num_threads(args.threads)
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter

@@ -30,12 +30,14 @@ VARIANTS = (
     "OpenVINO int8",
     "BertModel bf16",
     "EncoderStack fp32",
+    "EncoderStack fp32 oneDNN",
     "EncoderStack bf16",
 )
 WORKLOADS = ("full", "uniform")
 LIMIT_SIZE = 2048  # the side of the square GEMMs that measure the limit (one per library and precision, each cell)
 OF_LIMIT = {  # columns of achieved FLOP/s on real tokens / the best GEMM in that precision
     "EncoderStack fp32": torch.float32,
+    "EncoderStack fp32 oneDNN": torch.float32,
     "OpenVINO fp32": torch.float32,
     "EncoderStack bf16": torch.bfloat16,
     "OpenVINO bf16": torch.bfloat16,
@@ -100,6 +102,8 @@ def main():
             exported = runtimes(Path(scratch), torch.get_num_threads())
             bert, ours = common.with_backend(bert, "sdpa"), common.with_backend(ours, "sdpa")
         bert_bf16, ours_bf16 = (copy.deepcopy(model).to(torch.bfloat16) for model in (bert, ours))
+        ours_onednn = copy.deepcopy(ours)
+        ours_onednn.set_cpu_linear("onednn")
         for batch_size, max_length in common.parse_sizes(args.sizes):
             for workload in WORKLOADS:
                 lengths, width, batch, _ = common.workload_batch(
@@ -110,6 +114,7 @@ def main():
                     "BertModel-sdpa": lambda: bert(**batch),
                     "BertModel bf16": lambda: bert_bf16(**batch),
                     "EncoderStack fp32": lambda: ours(**batch),
+                    "EncoderStack fp32 oneDNN": lambda: ours_onednn(**batch),
                     "EncoderStack bf16": lambda: ours_bf16(**batch),
                     **{name: (lambda m=model: m(**batch)) for name, model in exported.items()},
                 }

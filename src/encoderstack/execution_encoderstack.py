@@ -63,18 +63,19 @@ class OneDNNLinear(torch.autograd.Function):
 FUSED_ACTIVATIONS = {"gelu": ("gelu", "none", nn.functional.gelu)}  # oneDNN post-op, its algorithm, torch's own
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None = None):
-    """`F.linear` (then `activation`, a `FUSED_ACTIVATIONS` name), through oneDNN on the CPU in float32, and in bf16
-    where the CPU has it. torch's float32 CPU linear is MKL's GEMM: 107 GFLOP/s on one AMD EPYC core (AVX-512)
-    against oneDNN's 240, a MiniLM forward 1.7x faster (docs/performance.md); on Intel cores oneDNN measured 1.15x.
-    In inference the activation runs in the GEMM's epilogue (exact GELU: float32's numbers unchanged, one pass over
-    the FFN's widest tensor less: 1.2x more). Autocast, compilers and exporters keep `F.linear`: the op has no
-    autocast rule, no meta kernel for tracing, no ONNX symbol."""
+def linear(x, weight, bias, activation: str | None = None, float32_in_onednn: bool = False) -> torch.Tensor:
+    """`F.linear` (then `activation`, a `FUSED_ACTIVATIONS` name), through oneDNN on the CPU: in bf16 where the CPU
+    has it, in float32 where `float32_in_onednn` (`config.cpu_linear="onednn"`). torch's float32 CPU linear is MKL's
+    GEMM: 107 GFLOP/s on one AMD EPYC core (AVX-512) against oneDNN's 240 (docs/performance.md), but it is what the
+    reference classes run, so float32 keeps it by default. In inference the activation runs in the GEMM's epilogue
+    (exact GELU: the same numbers, one pass over the FFN's widest tensor less). Autocast, compilers and exporters keep
+    `F.linear`: the op has no autocast rule, no meta kernel for tracing, no ONNX symbol."""
     if (
         ONEDNN_LINEAR
         and x.device.type == "cpu"
         and x.dtype == weight.dtype
         and x.dtype in ONEDNN_DTYPES
+        and (float32_in_onednn or x.dtype != torch.float32)
         and not torch.is_autocast_enabled("cpu")
         and not (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export())
     ):

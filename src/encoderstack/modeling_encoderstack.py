@@ -301,11 +301,13 @@ class EncoderStackKwargs(TransformersKwargs, total=False):
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` whose forward is `execution_encoderstack.linear` (oneDNN for float32 on the CPU), optionally
-    followed by an activation it may fuse."""
+    """`nn.Linear` whose forward is `execution_encoderstack.linear` (oneDNN on the CPU for bf16, and for float32
+    where `config.cpu_linear` says so), optionally followed by an activation it may fuse."""
+
+    float32_in_onednn = False  # `config.cpu_linear == "onednn"`, set by the model (`set_cpu_linear`)
 
     def forward(self, x, activation: str | None = None):
-        return linear(x, self.weight, self.bias, activation)
+        return linear(x, self.weight, self.bias, activation, self.float32_in_onednn)
 
 
 class LayerProjection(Linear):
@@ -592,6 +594,20 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
         """Save the model with its card and code files and push it to the Hub repository `repo_id` in one commit."""
         publisher = EncoderStackPreTrainedModel.hub_publisher
         return publisher(self, repo_id, **kwargs) if publisher else super().push_to_hub(repo_id, **kwargs)
+
+    def post_init(self):
+        super().post_init()
+        self.set_cpu_linear(self.config.cpu_linear)
+
+    def set_cpu_linear(self, library: str) -> None:
+        """Which library runs this model's float32 projections on the CPU from now on (`config.cpu_linear`: "torch"
+        or "onednn"), as `set_attn_implementation` does for attention."""
+        if library not in ("torch", "onednn"):
+            raise ValueError(f'`cpu_linear` must be "torch" or "onednn", got {library!r}.')
+        self.config.cpu_linear = library
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.float32_in_onednn = library == "onednn"
 
     def _init_weights(self, module):
         """BERT's init (normal(0, initializer_range), zero biases, unit norms), then the placement's init gain, or
