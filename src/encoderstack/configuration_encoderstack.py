@@ -211,6 +211,8 @@ HeadLayout = Literal[tuple(HEADS)]
 HEAD_LAYOUTS = get_args(HeadLayout)
 LayerType = Literal["full_attention", "sliding_attention"]  # transformers' names
 LAYER_TYPES = get_args(LayerType)
+CpuLinear = Literal["torch", "onednn"]
+CPU_LINEARS = get_args(CpuLinear)
 ClassifierPooling = Literal["first", "mean", "late"]
 AttentionProjection = Literal["query", "key", "value", "output", "position_key", "position_query"]
 
@@ -406,7 +408,7 @@ class EncoderStackConfig(PreTrainedConfig):
     classifier_bias: bool = True
     decoder_bias: bool = True
     prediction_head_size: int | None = None
-    cpu_linear: Literal["torch", "onednn"] = "torch"
+    cpu_linear: CpuLinear = "torch"
     relative_attention: Literal["bias", "disentangled"] | None = None
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128

@@ -60,7 +60,8 @@ class OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
-FUSED_ACTIVATIONS = {"gelu": ("gelu", "none", nn.functional.gelu)}  # oneDNN post-op, its algorithm, torch's own
+# activations oneDNN runs in its GEMM's epilogue, by the same name ("gelu": exact, erf), and torch's own of each
+FUSED_ACTIVATIONS = {"gelu": nn.functional.gelu}
 
 
 def linear(x, weight, bias, activation: str | None = None, float32_in_onednn: bool = False) -> torch.Tensor:
@@ -80,12 +81,11 @@ def linear(x, weight, bias, activation: str | None = None, float32_in_onednn: bo
         and not (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export())
     ):
         if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
-            post_op, algorithm = FUSED_ACTIVATIONS[activation][:2] if activation else ("none", "")
-            return onednn_linear(x, weight, bias, post_op, [], algorithm)
+            return onednn_linear(x, weight, bias, activation or "none", [], "none")
         output = OneDNNLinear.apply(x, weight, bias)
     else:
         output = nn.functional.linear(x, weight, bias)
-    return FUSED_ACTIVATIONS[activation][2](output) if activation else output
+    return FUSED_ACTIVATIONS[activation](output) if activation else output
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):

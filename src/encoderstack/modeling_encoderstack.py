@@ -37,6 +37,7 @@ from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_encoderstack import (  # noqa: F401 (Placement, PLACEMENTS, Heads: their old home, kept)
+    CPU_LINEARS,
     GATED_ACTIVATIONS,
     HEADS,
     PLACEMENTS,
@@ -602,7 +603,7 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
     def set_cpu_linear(self, library: str) -> None:
         """Which library runs this model's float32 projections on the CPU from now on (`config.cpu_linear`: "torch"
         or "onednn"), as `set_attn_implementation` does for attention."""
-        if library not in ("torch", "onednn"):
+        if library not in CPU_LINEARS:
             raise ValueError(f'`cpu_linear` must be "torch" or "onednn", got {library!r}.')
         self.config.cpu_linear = library
         for module in self.modules():
