@@ -24,7 +24,7 @@ from encoderstack.execution_encoderstack import (
 
 BF16, FP32, FP16 = torch.bfloat16, torch.float32, torch.float16
 CPU, H100, A100, T4 = ("cpu", None), ("cuda", (9, 0)), ("cuda", (8, 0)), ("cuda", (7, 5))
-FLASH, PER_SEQUENCE = "encoderstack_flash", "encoderstack_per_sequence"
+FLASH, PER_SEQUENCE, GEMM = "encoderstack_flash", "encoderstack_per_sequence", "encoderstack_gemm"
 
 
 def facts(device=CPU, dtype=FP32, inputs="padded", backend="sdpa", **overrides):
@@ -102,6 +102,17 @@ PLAN_TABLE = [
     ),
     ((H100, BF16, "padded", {"backend": "flash_attention_2", "padding_free": False}), ("padded", "flash_attention_2")),
     ((H100, BF16, "whole", {"backend": "flash_attention_2"}), ("padded", "flash_attention_2")),
+    # bf16 inference on a CPU with native bf16 GEMMs: attention as GEMMs (each sequence's, on the packed path)
+    ((CPU, BF16, "whole", {"bf16_gemms": True}), ("padded", GEMM)),
+    ((CPU, BF16, "padded", {"bf16_gemms": True}), ("per_sequence", "encoderstack_per_sequence")),
+    ((CPU, BF16, "flattened", {"bf16_gemms": True, "padding_free": False}), ("block_diagonal", GEMM)),
+    ((CPU, BF16, "whole", {"bf16_gemms": True, "grad": True}), ("padded", "sdpa")),
+    ((CPU, BF16, "whole", {"bf16_gemms": True, "recording": True}), ("padded", "sdpa")),
+    ((CPU, BF16, "flattened", {"bf16_gemms": True, "compiling": True}), ("block_diagonal", "sdpa")),
+    ((CPU, BF16, "whole", {"bf16_gemms": True, "backend": "eager"}), ("padded", "eager")),
+    ((CPU, FP32, "whole", {"bf16_gemms": True}), ("padded", "sdpa")),
+    ((CPU, BF16, "whole", {"bf16_gemms": False}), ("padded", "sdpa")),
+    ((H100, BF16, "whole", {"bf16_gemms": True}), ("padded", "sdpa")),
 ]
 
 
@@ -116,6 +127,8 @@ def test_the_plan_for_every_cell_of_the_table(cell, expected):
     device, dtype, inputs, other = cell
     plan = decide_plan(facts(device, dtype, inputs, **other))
     assert (plan.kind, plan.attention) == expected, plan.reason
+    kernel = plan.layer_attention("full_attention")[1].get("sequence_attention")
+    assert kernel == (GEMM if plan.attention == PER_SEQUENCE and other.get("bf16_gemms") and dtype == BF16 else None)
 
 
 def test_attention_dropout_never_changes_the_kind_of_plan_and_says_so_where_it_changes_the_kernel():
