@@ -110,7 +110,7 @@ GEMM_KEYS_MULTIPLE, GEMM_MIN_KEYS, GEMM_SCORES_BYTES = 32, 64, 4 << 20
 def gemm_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
     """Attention as two batched GEMMs around a softmax, a few batch rows at a time, in the inputs' dtype, for
     inference (out= buffers: no autograd). The plan's kernel for bf16 on CPUs with native bf16 (see
-    `attention_kernel`): there torch's SDPA kernel runs bf16 through float32 GEMMs, and this is 1.5-1.9x faster per
+    `attention_kernel`): there torch's SDPA kernel runs bf16 through float32 GEMMs, and this is 1.7-1.9x faster per
     layer. The scaling runs inside the first GEMM and the mask is added in its epilogue (`baddbmm`), so each score is
     rounded to bf16 once, as eager attention rounds it (SDPA keeps float32 scores)."""
     if key.shape[2] < GEMM_MIN_KEYS:
@@ -367,7 +367,8 @@ def flash_missing(facts: PlanFacts) -> str | None:
 def attention_kernel(facts: PlanFacts) -> str:
     """The function that computes attention for the configured backend, on whatever rows the plan gives it:
     `gemm_attention` for SDPA in bf16 inference on a CPU with native bf16 GEMMs (torch's SDPA kernel runs float32
-    GEMMs there: all-MiniLM-L6-v2 1.15x faster on 32x128, 1.37x on 8x512, docs/benchmarks/), else the backend."""
+    GEMMs there: all-MiniLM-L6-v2 1.14-1.22x faster on full 32x128, 1.36-1.45x on full 8x512,
+    docs/benchmarks/deployment-gemm-attention-2threads.txt), else the backend."""
     if (
         facts.backend == "sdpa"
         and facts.device_type == "cpu"
@@ -540,8 +541,8 @@ def per_sequence_attention(
     on a re-padded view), and flattened rows where no varlen kernel runs. In a sliding layer `attention_mask` holds
     one band mask per sequence (`band_masks`, built once per forward; None where the window covers the sequence); a
     caller from outside this model passes only `sliding_window`."""
-    name = sequence_attention or module.config._attn_implementation
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)
+    kernel = sequence_attention or module.config._attn_implementation
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(kernel, eager_attention_forward)
     if sequence_lengths is None:  # called from outside this model: one host sync
         sequence_lengths = kwargs["cu_seq_lens_q"].diff().tolist()
     for name in VARLEN_KWARGS:
