@@ -269,6 +269,18 @@ def flash_attention_backends(device):
     return ["flash_attention_2"] if available else []
 
 
+@contextlib.contextmanager
+def bf16_gemms(on: bool):
+    """EncoderStack's bf16 attention as GEMMs (`gemm_attention`, where the CPU has native bf16 GEMMs) or, off, in
+    torch's SDPA kernel, as before it: the plan reads `execution_encoderstack.BF16_GEMMS` on every forward."""
+    plan = encoderstack.execution_encoderstack
+    native, plan.BF16_GEMMS = plan.BF16_GEMMS, on and plan.BF16_GEMMS
+    try:
+        yield
+    finally:
+        plan.BF16_GEMMS = native
+
+
 def autocast(device):
     """`--autocast`'s context (a no-op without it)."""
     if AUTOCAST is None:

@@ -76,15 +76,10 @@ def runtimes(folder: Path, threads: int) -> dict:
     }
 
 
-def with_sdpa_in_bf16(model, batch):
-    """The bf16 forward with attention in torch's SDPA kernel, as before `gemm_attention` (the plan reads
-    `BF16_GEMMS` on every forward)."""
-    plan = encoderstack.execution_encoderstack
-    native, plan.BF16_GEMMS = plan.BF16_GEMMS, False
-    try:
+def sdpa_in_bf16(model, batch):
+    """The bf16 forward with attention in torch's SDPA kernel, as before `gemm_attention`."""
+    with common.bf16_gemms(False):
         return model(**batch)
-    finally:
-        plan.BF16_GEMMS = native
 
 
 def main():
@@ -127,7 +122,7 @@ def main():
                     "BertModel bf16": lambda: bert_bf16(**batch),
                     "EncoderStack fp32": lambda: ours(**batch),
                     "EncoderStack fp32 oneDNN": lambda: ours_onednn(**batch),
-                    "EncoderStack bf16 SDPA": lambda: with_sdpa_in_bf16(ours_bf16, batch),
+                    "EncoderStack bf16 SDPA": lambda: sdpa_in_bf16(ours_bf16, batch),
                     "EncoderStack bf16": lambda: ours_bf16(**batch),
                     **{name: (lambda m=model: m(**batch)) for name, model in exported.items()},
                 }

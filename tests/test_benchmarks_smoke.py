@@ -32,6 +32,7 @@ RUNS = {
     "attention.py": [*ONE_ROUND, "--sizes", "2x16"],
     "flex.py": [*ONE_ROUND, "--sizes", "2x16"],
     "deployment.py": [*ONE_ROUND, "--sizes", "2x16"],
+    "cpu_attention.py": [*ONE_ROUND, "--sizes", "2x16"],
     "sparse_mlm.py": [*ONE_ROUND, "--sizes", "2x16"],
     "families.py": [*ONE_ROUND, "--sizes", "2x16", "--families", "roberta,electra,distilbert,modernbert"],
     "sliding_window.py": [

@@ -1,6 +1,7 @@
-"""bf16 inference on a CPU with native bf16 GEMMs runs attention as two oneDNN GEMMs around a softmax
-(`gemm_attention`, the plan's kernel there): eager attention's numbers for every mask the layers give it, each score
-rounded once, on the padded and the packed path of every kind of layer; everywhere else the configured backend."""
+"""bf16 on a CPU with native bf16 GEMMs runs attention as two oneDNN GEMMs around a softmax (`gemm_attention`, the
+plan's kernel there), in inference and in training: eager attention's numbers and gradients for every mask the layers
+give it, each score rounded once, on the padded and the packed path of every kind of layer; float32 and other
+CPUs keep the configured backend."""
 
 from types import SimpleNamespace
 
@@ -10,7 +11,7 @@ from conftest import batch, build
 from test_family_mechanisms import DEBERTA_LIKE, MPNET_LIKE
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from encoderstack import EncoderStackModel, execution_encoderstack
+from encoderstack import EncoderStackForMaskedLM, EncoderStackModel, execution_encoderstack
 from encoderstack.execution_encoderstack import GEMM_ATTENTION, gemm_attention
 
 ENCODER = SimpleNamespace(is_causal=False, training=False)  # what the kernels read of the calling module
@@ -115,29 +116,75 @@ MODELS = {
 
 @pytest.mark.parametrize("padding_free", [True, False], ids=["packed", "padded"])
 @pytest.mark.parametrize("config", MODELS.values(), ids=MODELS)
-def test_bf16_inference_runs_every_layer_as_gemms_with_the_numbers_of_sdpa(gemm_calls, config, padding_free):
+def test_bf16_inference_runs_every_layer_as_gemms_with_the_numbers_of_sdpa(
+    gemm_calls, config, padding_free, monkeypatch
+):
     model = build(EncoderStackModel, **config).to(torch.bfloat16)
     inputs = batch()  # rows of 9, 5 and 7 real tokens, padded to 9
     with torch.no_grad():
         fast = model(**inputs, padding_free=padding_free).last_hidden_state
     layers = model.config.num_hidden_layers
     assert gemm_calls == ([(1, 9), (1, 5), (1, 7)] * layers if padding_free else [(3, 9)] * layers)
-    calls = len(gemm_calls)
-    with torch.enable_grad():  # autograd records: the plan keeps SDPA
-        sdpa = model(**inputs, padding_free=padding_free).last_hidden_state.detach()
-    assert len(gemm_calls) == calls
+    monkeypatch.setattr(execution_encoderstack, "BF16_GEMMS", False)  # the plan keeps SDPA
+    with torch.no_grad():
+        sdpa = model(**inputs, padding_free=padding_free).last_hidden_state
     real = inputs["attention_mask"].bool()
     # bf16 keeps 8 bits: 2^-8 of hidden states of unit size, a few roundings apart
     torch.testing.assert_close(fast[real].float(), sdpa[real].float(), atol=3e-2, rtol=0)
 
 
-def test_float32_inference_and_bf16_training_keep_the_configured_backend(gemm_calls):
+def test_float32_keeps_the_configured_backend_in_inference_and_training(gemm_calls):
     model = build(EncoderStackModel)
     with torch.no_grad():
         model(**batch())
-    model.to(torch.bfloat16)
-    model(**batch())
+    model.train()(**batch())
     assert gemm_calls == []
+
+
+@pytest.mark.parametrize("mask", ["none", "per head", "per row and head"])
+def test_gradients_through_gemm_attention_are_eager_attention_s_in_float32(mask):
+    """Where autograd records, every step makes its own tensor; gradients reach the queries, keys, values and an
+    additive mask (DeBERTa's terms are computed from the queries and keys)."""
+    query, key, value = (x.detach().requires_grad_() for x in qkv(3, 70, torch.float32))
+    attention_mask = mask_of(mask, 3, 70, torch.float32)
+    leaves = [query, key, value]
+    if attention_mask is not None:
+        leaves.append(attention_mask.requires_grad_())
+    upstream = torch.randn(3, 70, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for attention in (gemm_attention, lambda _, *args, **kw: (eager(*args[:4]).float(), None)):
+        (attention(ENCODER, query, key, value, attention_mask, scaling=HEAD_DIM**-0.5)[0] * upstream).sum().backward()
+        grads.append([leaf.grad.clone() for leaf in leaves])
+        for leaf in leaves:
+            leaf.grad = None
+    for fast, exact in zip(*grads):
+        torch.testing.assert_close(fast, exact, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("padding_free", [True, False], ids=["packed", "padded"])
+def test_a_bf16_autocast_training_step_through_the_kernel_gives_sdpa_s_loss_and_gradients(
+    gemm_calls, padding_free, monkeypatch
+):
+    """Trainer(bf16=True) on the CPU: float32 weights under bf16 autocast."""
+    model = build(EncoderStackForMaskedLM).train()
+    inputs = {**batch(), "labels": batch()["input_ids"].masked_fill(~batch()["attention_mask"].bool(), -100)}
+    steps = []
+    for native in (True, False):  # False: the plan keeps SDPA
+        monkeypatch.setattr(execution_encoderstack, "BF16_GEMMS", native)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**inputs, padding_free=padding_free).loss
+        loss.backward()
+        steps.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+        model.zero_grad()
+    layers = model.config.num_hidden_layers
+    assert gemm_calls == ([(1, 9), (1, 5), (1, 7)] * layers if padding_free else [(3, 9)] * layers)
+    (fast_loss, fast), (sdpa_loss, sdpa) = steps
+    torch.testing.assert_close(fast_loss, sdpa_loss, atol=2e-2, rtol=0)
+    for (
+        name,
+        grad,
+    ) in sdpa.items():  # bfloat16 keeps 8 bits: 2% of the gradient's size (the key bias: ~0, exactly 0 in theory)
+        assert (fast[name] - grad).norm() <= 0.02 * grad.norm() + 1e-6, name
 
 
 def test_the_plan_names_the_kernel_only_where_the_cpu_has_native_bf16_gemms(monkeypatch):

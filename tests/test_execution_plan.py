@@ -102,11 +102,11 @@ PLAN_TABLE = [
     ),
     ((H100, BF16, "padded", {"backend": "flash_attention_2", "padding_free": False}), ("padded", "flash_attention_2")),
     ((H100, BF16, "whole", {"backend": "flash_attention_2"}), ("padded", "flash_attention_2")),
-    # bf16 inference on a CPU with native bf16 GEMMs: attention as GEMMs (each sequence's, on the packed path)
+    # bf16 on a CPU with native bf16 GEMMs, inference and training: attention as GEMMs (each sequence's when packed)
     ((CPU, BF16, "whole", {"bf16_gemms": True}), ("padded", GEMM)),
     ((CPU, BF16, "padded", {"bf16_gemms": True}), ("per_sequence", "encoderstack_per_sequence")),
     ((CPU, BF16, "flattened", {"bf16_gemms": True, "padding_free": False}), ("block_diagonal", GEMM)),
-    ((CPU, BF16, "whole", {"bf16_gemms": True, "grad": True}), ("padded", "sdpa")),
+    ((CPU, BF16, "whole", {"bf16_gemms": True, "attention_dropout": True}), ("padded", GEMM)),
     ((CPU, BF16, "whole", {"bf16_gemms": True, "recording": True}), ("padded", "sdpa")),
     ((CPU, BF16, "flattened", {"bf16_gemms": True, "compiling": True}), ("block_diagonal", "sdpa")),
     ((CPU, BF16, "whole", {"bf16_gemms": True, "backend": "eager"}), ("padded", "eager")),
@@ -240,9 +240,10 @@ def attention_probabilities(query, key, lengths, scale):
     ]
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_the_per_sequence_path_drops_the_configured_share_of_attention_probabilities(backend):
+@pytest.mark.parametrize("backend", ["eager", "sdpa", GEMM])
+def test_the_per_sequence_path_drops_the_configured_share_of_attention_probabilities(backend, monkeypatch):
     """Each key's value is its one-hot position, so the output rows are the (dropped) probabilities themselves."""
+    monkeypatch.setattr(execution_encoderstack, "GEMM_MIN_KEYS", 1)  # the GEMM kernel on these short sequences too
     lengths, heads, share = [12, 30, 7, 23], 4, 0.25
     width = max(lengths)
     torch.manual_seed(0)

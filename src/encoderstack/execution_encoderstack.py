@@ -108,44 +108,40 @@ GEMM_KEYS_MULTIPLE, GEMM_MIN_KEYS, GEMM_SCORES_BYTES = 32, 64, 4 << 20
 
 
 def gemm_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
-    """Attention as two batched GEMMs around a softmax, a few batch rows at a time, in the inputs' dtype, for
-    inference (out= buffers: no autograd). The plan's kernel for bf16 on CPUs with native bf16 (see
-    `attention_kernel`): there torch's SDPA kernel runs bf16 through float32 GEMMs, and this is 1.7-1.9x faster per
-    layer. The scaling runs inside the first GEMM and the mask is added in its epilogue (`baddbmm`), so each score is
-    rounded to bf16 once, as eager attention rounds it (SDPA keeps float32 scores)."""
+    """Attention as two batched GEMMs around a softmax, a few batch rows at a time, in the inputs' dtype: the plan's
+    kernel for bf16 on CPUs with native bf16 GEMMs (see `attention_kernel`), where torch's SDPA kernel runs bf16
+    through float32 GEMMs; this is 1.7-1.9x faster per layer. The scaling runs inside the first GEMM and the mask is
+    added in its epilogue (`baddbmm`), so each score is rounded to bf16 once, as eager attention rounds it (SDPA keeps
+    float32 scores). In inference the scores live in one buffer, reused (fresh multi-MB tensors cost page faults:
+    8x512 ran 1.4x slower); where autograd records, every step makes its own tensor."""
     if key.shape[2] < GEMM_MIN_KEYS:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, is_causal=False
         )
     lowest = torch.finfo(query.dtype).min
-    mask = attention_mask
-    if mask is not None and mask.dtype == torch.bool:  # transformers' SDPA mask: True attends
+    mask = query.new_zeros(()) if attention_mask is None else attention_mask
+    if mask.dtype == torch.bool:  # transformers' SDPA mask: True attends
         mask = torch.zeros_like(mask, dtype=query.dtype).masked_fill_(~mask, lowest)
     padding = -key.shape[2] % GEMM_KEYS_MULTIPLE
     if padding:  # zero keys and values, masked out
         key, value = (nn.functional.pad(x, (0, 0, 0, padding)) for x in (key, value))
-        mask = nn.functional.pad(
-            query.new_zeros(key.shape[2] - padding) if mask is None else mask, (0, padding), value=lowest
-        )
-    batch, heads, length, head_dim = query.shape
-    # a mask that differs between rows or heads goes one row at a time: (heads, queries, keys) takes it as it is
-    by_row = mask is not None and mask.dim() == 4 and mask.shape[0] * mask.shape[1] > 1
-    fit = GEMM_SCORES_BYTES // (heads * length * key.shape[2] * query.element_size())
-    rows = 1 if by_row else min(batch, max(1, fit))
-    if mask is not None and mask.dim() == 4 and not by_row:
-        mask = mask[0]
-    query, key, value = (x.flatten(0, 1) for x in (query, key, value))  # (batch x heads, tokens, dim): a copy if rows
+        mask = nn.functional.pad(mask.expand(*mask.shape[:-1], key.shape[2] - padding), (0, padding), value=lowest)
+    batch, heads, length, _ = query.shape
+    rows = min(batch, max(1, GEMM_SCORES_BYTES // (heads * length * key.shape[2] * query.element_size())))
+    shared = mask.dim() < 4 or mask.shape[0] * mask.shape[1] == 1  # one mask for every row and head: broadcast
+    if mask.dim() == 4:
+        mask = mask[0] if shared else mask.expand(batch, heads, *mask.shape[2:])
+    # (batch x heads, tokens, dim): a copy unless the batch is one row
+    query, key, value = (x.flatten(0, 1) for x in (query, key, value))
     context = query.new_empty(batch, length, heads, value.shape[-1])
-    scores = query.new_empty(rows * heads, length, key.shape[1])  # reused: a few MB the allocator keeps
+    scores = None if torch.is_grad_enabled() else query.new_empty(rows * heads, length, key.shape[1])
     for start in range(0, batch, rows):
         block = slice(start * heads, min(start + rows, batch) * heads)
-        q, k, out = query[block], key[block].transpose(1, 2), scores[: block.stop - block.start]
-        if mask is None:
-            torch.baddbmm(out, q, k, beta=0, alpha=scaling, out=out)
-        else:
-            torch.baddbmm(mask[start % mask.shape[0]] if by_row else mask, q, k, alpha=scaling, out=out)
-        torch.softmax(out, dim=-1, out=out)
-        weights = nn.functional.dropout(out, p=dropout) if dropout else out
+        out = None if scores is None else scores[: block.stop - block.start]
+        bias = mask if shared else mask[start : start + rows].flatten(0, 1)  # a copy, the size of the scores
+        weights = torch.baddbmm(bias, query[block], key[block].transpose(1, 2), alpha=scaling, out=out)
+        weights = torch.softmax(weights, dim=-1, out=out)
+        weights = nn.functional.dropout(weights, p=dropout) if dropout else weights
         context[start : start + rows] = torch.bmm(weights, value[block]).unflatten(0, (-1, heads)).transpose(1, 2)
     return context, None
 
@@ -279,7 +275,6 @@ class PlanFacts:
     flash_window: bool = True  # torch's flash kernel takes `window_size_left/right`
     padded_tokens: int = 0  # batch x sequence length of the input
     relative_attention: str | None = None  # config.relative_attention: a term added to the scores; None: none
-    grad: bool = False  # autograd records the forward
     bf16_gemms: bool = False  # oneDNN runs bf16 GEMMs natively on this CPU (AVX-512 BF16, AMX)
 
 
@@ -366,7 +361,7 @@ def flash_missing(facts: PlanFacts) -> str | None:
 
 def attention_kernel(facts: PlanFacts) -> str:
     """The function that computes attention for the configured backend, on whatever rows the plan gives it:
-    `gemm_attention` for SDPA in bf16 inference on a CPU with native bf16 GEMMs (torch's SDPA kernel runs float32
+    `gemm_attention` for SDPA in bf16 on a CPU with native bf16 GEMMs (torch's SDPA kernel runs float32
     GEMMs there: all-MiniLM-L6-v2 1.14-1.22x faster on full 32x128, 1.36-1.45x on full 8x512,
     docs/benchmarks/deployment-gemm-attention-2threads.txt), else the backend."""
     if (
@@ -374,7 +369,7 @@ def attention_kernel(facts: PlanFacts) -> str:
         and facts.device_type == "cpu"
         and facts.dtype == torch.bfloat16
         and facts.bf16_gemms
-        and not (facts.grad or facts.recording or facts.compiling)
+        and not (facts.recording or facts.compiling)
     ):
         return GEMM_ATTENTION
     return facts.backend
@@ -393,7 +388,7 @@ def decide_plan(facts: PlanFacts) -> ExecutionPlan:
         )
     plan = decide_kind(facts)
     if attention_kernel(facts) == GEMM_ATTENTION:
-        plan = dataclasses.replace(plan, reason=f"{plan.reason}; bf16 inference on this CPU: attention as GEMMs")
+        plan = dataclasses.replace(plan, reason=f"{plan.reason}; bf16 on this CPU: attention as GEMMs")
     if facts.sliding_window is None:
         return plan
     sliding, why = sliding_attention(facts, plan)
@@ -747,7 +742,6 @@ def plan_facts(
         varlen_window=VARLEN_TAKES_WINDOW,
         flash_window=FLASH_TAKES_WINDOW,
         relative_attention=config.relative_attention,
-        grad=torch.is_grad_enabled(),
         bf16_gemms=BF16_GEMMS,
     )
 
