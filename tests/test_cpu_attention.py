@@ -167,7 +167,8 @@ def test_a_bf16_autocast_training_step_through_the_kernel_gives_sdpa_s_loss_and_
 ):
     """Trainer(bf16=True) on the CPU: float32 weights under bf16 autocast."""
     model = build(EncoderStackForMaskedLM).train()
-    inputs = {**batch(), "labels": batch()["input_ids"].masked_fill(~batch()["attention_mask"].bool(), -100)}
+    inputs = batch()
+    inputs["labels"] = inputs["input_ids"].masked_fill(~inputs["attention_mask"].bool(), -100)
     steps = []
     for native in (True, False):  # False: the plan keeps SDPA
         monkeypatch.setattr(execution_encoderstack, "BF16_GEMMS", native)

@@ -318,6 +318,12 @@ class ExecutionPlan:
     labels: tuple[int, int, int] | None = None  # the labels counted (not -100, at real tokens), lowest, highest
 
     @property
+    def kernel(self) -> str:
+        """The function that computes attention on the rows or sequences this plan gives it (`attention_kernel`):
+        `attention` itself on the padded and block-diagonal kinds; the per-sequence path runs it on each sequence."""
+        return attention_kernel(self.facts)
+
+    @property
     def packed(self) -> bool:
         """Whether the layers run on the packed row of real tokens (and attention reads `cu_seq_lens`)."""
         return self.kind in ("varlen", "per_sequence")
@@ -337,9 +343,8 @@ class ExecutionPlan:
         name, extra = self.attention, {}
         if self.runs_as(layer_type) == "sliding_attention":
             name, extra = self.sliding, {"sliding_window": transformers_window(self.facts.sliding_window)}
-        kernel = attention_kernel(self.facts)
-        if name == PER_SEQUENCE and kernel != self.facts.backend:
-            extra["sequence_attention"] = kernel
+        if name == PER_SEQUENCE and self.kernel != self.facts.backend:
+            extra["sequence_attention"] = self.kernel
         return name, extra
 
 
@@ -388,7 +393,7 @@ def decide_plan(facts: PlanFacts) -> ExecutionPlan:
             f"{facts.backend} backend cannot take: use one of {', '.join(SCORE_TERM_BACKENDS)}."
         )
     plan = decide_kind(facts)
-    if attention_kernel(facts) == GEMM_ATTENTION:
+    if plan.kernel == GEMM_ATTENTION:
         plan = dataclasses.replace(plan, reason=f"{plan.reason}; bf16 on this CPU: attention as GEMMs")
     if facts.sliding_window is None:
         return plan
