@@ -141,10 +141,11 @@ def common_arguments(description, sizes, models):
         "other processes take the cores (a control for a shared machine; use with --threads 1)",
     )
     parser.add_argument(
-        "--cpu-linear",
+        "--cpu-kernels",
         choices=("torch", "onednn"),
         default="torch",
-        help="EncoderStack's config.cpu_linear: the library of its float32 projections on the CPU (default: torch's)",
+        help="EncoderStack's config.cpu_kernels: the library of its float32 projections and attention on the CPU "
+        "(default: torch's)",
     )
     parser.add_argument("--seed", type=int, default=0)
     return parser
@@ -178,7 +179,7 @@ def load_pair(spec, bert_class, ours_class, folder, **config):
         torch.manual_seed(0)
         bert = bert_class(transformers.BertConfig(**{**bert_config(spec).to_dict(), **config}))
     bert.save_pretrained(folder)
-    return bert.eval(), ours_class.from_pretrained(folder, cpu_linear=CPU_LINEAR).eval()
+    return bert.eval(), ours_class.from_pretrained(folder, cpu_kernels=CPU_KERNELS).eval()
 
 
 def mlm_training_pair(spec, device):
@@ -244,14 +245,14 @@ def synchronize(device):
 CLOCK = time.perf_counter
 DTYPE = torch.float32
 AUTOCAST = None  # the dtype of torch.autocast around every timed call, or None
-CPU_LINEAR = "torch"  # EncoderStack's config.cpu_linear
+CPU_KERNELS = "torch"  # EncoderStack's config.cpu_kernels
 
 
 def setup(args):
     """Applies --threads, --clock, --dtype (`place` then puts a model on the device in that dtype), --autocast and
-    --cpu-linear (`load_pair` builds EncoderStack with it)."""
-    global CLOCK, DTYPE, AUTOCAST, CPU_LINEAR
-    CPU_LINEAR = getattr(args, "cpu_linear", "torch")
+    --cpu-kernels (`load_pair` builds EncoderStack with it)."""
+    global CLOCK, DTYPE, AUTOCAST, CPU_KERNELS
+    CPU_KERNELS = getattr(args, "cpu_kernels", "torch")
     if args.threads:
         torch.set_num_threads(args.threads)
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -269,16 +270,22 @@ def flash_attention_backends(device):
     return ["flash_attention_2"] if available else []
 
 
+# the plan's CPU attention kernels, each with the module switches that let the plan pick it: BF16_GEMMS, ONEDNN_GRAPH
+CPU_ATTENTION = {"SDPA": (False, False), "GEMMs": (True, False), "fused": (True, True)}
+
+
 @contextlib.contextmanager
-def bf16_gemms(on: bool):
-    """EncoderStack's bf16 attention as GEMMs (`gemm_attention`, where the CPU has native bf16 GEMMs) or, off, in
-    torch's SDPA kernel, as before it: the plan reads `execution_encoderstack.BF16_GEMMS` on every forward."""
+def cpu_attention(kernel: str):
+    """EncoderStack's CPU attention with the plan allowed up to `kernel` (`CPU_ATTENTION`): "fused" (as shipped:
+    oneDNN Graph in inference, GEMMs in bf16 where autograd records), "GEMMs" (`gemm_attention` in bf16, as without
+    oneDNN Graph) or "SDPA" (torch's kernel, as before both). The plan reads the switches on every forward."""
     plan = encoderstack.execution_encoderstack
-    native, plan.BF16_GEMMS = plan.BF16_GEMMS, on and plan.BF16_GEMMS
+    native = plan.BF16_GEMMS, plan.ONEDNN_GRAPH
+    plan.BF16_GEMMS, plan.ONEDNN_GRAPH = (on and was for on, was in zip(CPU_ATTENTION[kernel], native))
     try:
         yield
     finally:
-        plan.BF16_GEMMS = native
+        plan.BF16_GEMMS, plan.ONEDNN_GRAPH = native
 
 
 def autocast(device):

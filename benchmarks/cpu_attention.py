@@ -1,7 +1,7 @@
-"""bf16 attention on the CPU: EncoderStack with `gemm_attention` (the plan's kernel where the CPU has native bf16
-GEMMs) against the same model with torch's SDPA kernel (`execution_encoderstack.BF16_GEMMS = False`), same process,
-interleaved: an inference forward in bf16 weights, and a training step (forward, backward, AdamW) of masked LM and
-sequence classification in float32 weights under bf16 autocast (`Trainer(bf16=True)`), padding-free and padded.
+"""Attention on the CPU: EncoderStack with each kernel the plan may pick (`common.CPU_ATTENTION`: oneDNN Graph's fused
+kernel, `gemm_attention`, torch's SDPA), same process, interleaved: an inference forward in bf16 weights and in float32
+with `cpu_kernels="onednn"`, and a training step (forward, backward, AdamW) of masked LM and sequence classification in
+float32 weights under bf16 autocast (`Trainer(bf16=True)`), padding-free and padded.
 
     python benchmarks/cpu_attention.py --threads 2            # minilm, 32x128 and 8x512 (~10 minutes)
     python benchmarks/cpu_attention.py --quick                # minilm, 32x128, 3 rounds
@@ -11,20 +11,22 @@ import common
 import torch
 from common import encoderstack, transformers
 
-KERNELS = ("SDPA", "GEMMs")
-TASKS = {
-    "inference": (transformers.BertModel, encoderstack.EncoderStackModel),
-    "mlm step": (transformers.BertForMaskedLM, encoderstack.EncoderStackForMaskedLM),
+KERNELS = tuple(common.CPU_ATTENTION)
+TASKS = {  # task -> the reference's class, ours, the kernels the plan may pick there
+    "inference bf16": (transformers.BertModel, encoderstack.EncoderStackModel, KERNELS),
+    "inference fp32 oneDNN": (transformers.BertModel, encoderstack.EncoderStackModel, ("SDPA", "fused")),
+    "mlm step": (transformers.BertForMaskedLM, encoderstack.EncoderStackForMaskedLM, ("SDPA", "GEMMs")),
     "classification step": (
         transformers.BertForSequenceClassification,
         encoderstack.EncoderStackForSequenceClassification,
+        ("SDPA", "GEMMs"),
     ),
 }
 
 
 def run(model, batch, kernel, padding_free, training, optimizer):
     """One forward (inference) or training step with attention in `kernel`."""
-    with common.bf16_gemms(kernel == "GEMMs"):
+    with common.cpu_attention(kernel):
         if not training:
             with torch.inference_mode():
                 return model(**batch, padding_free=padding_free)
@@ -44,17 +46,23 @@ def main():
         raise SystemExit("this benchmark sets the dtypes itself (bf16 weights, bf16 autocast): no --device/--dtype")
     iterations = args.iterations or (3 if args.quick else 5)
     common.setup(args)
-    common.header("bf16 attention on the CPU (inference: the weights in bf16; steps: bf16 autocast over)", args.device)
-    print(f"native bf16 GEMMs on this CPU: {encoderstack.execution_encoderstack.BF16_GEMMS}")
+    common.header("attention on the CPU (inference: bf16 or float32 weights; steps: bf16 autocast)", args.device)
+    plan = encoderstack.execution_encoderstack
+    print(f"native bf16 GEMMs on this CPU: {plan.BF16_GEMMS}; oneDNN Graph in this torch: {plan.ONEDNN_GRAPH}")
     tokenizer, rows = common.tokenizer(), []
     for spec in common.parse_models(args.models):
-        for task, (bert_class, ours_class) in TASKS.items():
-            training = task != "inference"
+        for task, (bert_class, ours_class, kernels) in TASKS.items():
+            training = not task.startswith("inference")
             with common.scratch_folder() as scratch:
                 config = {"num_labels": 2} if "classification" in task else {}
                 bert, model = common.load_pair(spec, bert_class, ours_class, scratch, **config)
             model = common.with_backend(model, "sdpa")
-            model = model.train() if training else model.to(torch.bfloat16)
+            if training:
+                model.train()
+            elif "bf16" in task:
+                model.to(torch.bfloat16)
+            else:
+                model.set_cpu_kernels("onednn")
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5) if training else None
             for batch_size, max_length in common.parse_sizes(args.sizes):
                 for workload in ("full", "uniform", "text"):
@@ -71,7 +79,7 @@ def main():
                     for padding_free in (True, False):
                         variants = {
                             kernel: (lambda k=kernel: run(model, batch, k, padding_free, training, optimizer))
-                            for kernel in KERNELS
+                            for kernel in kernels
                         }
                         seconds, _ = common.interleave(variants, iterations, "cpu", peak_size=64)
                         rows.append(
@@ -81,12 +89,15 @@ def main():
                                 f"{batch_size}x{width}",
                                 workload,
                                 "padding-free" if padding_free else "padded",
-                                *(f"{seconds[kernel] * 1e3:.0f} ms" for kernel in KERNELS),
-                                f"{seconds['SDPA'] / seconds['GEMMs']:.2f}",
+                                *(f"{seconds[k] * 1e3:.0f} ms" if k in seconds else "-" for k in KERNELS),
+                                *(f"{seconds['SDPA'] / seconds[k]:.2f}" if k in seconds else "-" for k in KERNELS[1:]),
                             ]
                         )
-    print(f"{iterations} interleaved rounds per cell, medians; the last column: SDPA's time / the GEMM kernel's")
-    common.print_table(rows, ["model", "task", "batch", "lengths", "path", *KERNELS, "speed-up"])
+    print(
+        f"{iterations} interleaved rounds per cell, medians; 'x SDPA': SDPA's time / the kernel's; '-': not run there"
+    )
+    speedups = [f"{kernel} x SDPA" for kernel in KERNELS[1:]]
+    common.print_table(rows, ["model", "task", "batch", "lengths", "path", *KERNELS, *speedups])
     print(f"reproduce: {common.command_line()}")
 
 

@@ -1,6 +1,6 @@
 """CPU inference paths: real tokens per second of ONNX Runtime (float32, int8), OpenVINO (float32, bf16, int8),
-BertModel in bfloat16 and EncoderStack in float32 and bfloat16 (attention as GEMMs, and in SDPA), as ratios to
-BertModel-SDPA float32, same process, interleaved.
+BertModel in bfloat16 and EncoderStack in float32 (torch's kernels, and oneDNN's) and bfloat16 (attention fused by
+oneDNN Graph, and in SDPA), as ratios to BertModel-SDPA float32, same process, interleaved.
 OpenVINO's precision is pinned per column (`INFERENCE_PRECISION_HINT`): its CPU plugin would otherwise pick bf16 by
 itself on CPUs with AVX-512 BF16 or AMX.
 
@@ -77,8 +77,8 @@ def runtimes(folder: Path, threads: int) -> dict:
 
 
 def sdpa_in_bf16(model, batch):
-    """The bf16 forward with attention in torch's SDPA kernel, as before `gemm_attention`."""
-    with common.bf16_gemms(False):
+    """The bf16 forward with attention in torch's SDPA kernel, as before `gemm_attention` and `fused_attention`."""
+    with common.cpu_attention("SDPA"):
         return model(**batch)
 
 
@@ -110,7 +110,7 @@ def main():
             bert, ours = common.with_backend(bert, "sdpa"), common.with_backend(ours, "sdpa")
         bert_bf16, ours_bf16 = (copy.deepcopy(model).to(torch.bfloat16) for model in (bert, ours))
         ours_onednn = copy.deepcopy(ours)
-        ours_onednn.set_cpu_linear("onednn")
+        ours_onednn.set_cpu_kernels("onednn")
         for batch_size, max_length in common.parse_sizes(args.sizes):
             for workload in WORKLOADS:
                 lengths, width, batch, _ = common.workload_batch(

@@ -60,7 +60,7 @@ def family_pair(family, spec, max_length, folder):
     torch.manual_seed(0)
     reference = getattr(transformers, FAMILIES[family])(config)
     reference.save_pretrained(folder)
-    ours = encoderstack.EncoderStackModel.from_pretrained(folder, cpu_linear=common.CPU_LINEAR)
+    ours = encoderstack.EncoderStackModel.from_pretrained(folder, cpu_kernels=common.CPU_KERNELS)
     return tuple(common.with_backend(model.eval(), "sdpa") for model in (reference, ours))
 
 

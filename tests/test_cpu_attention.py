@@ -1,18 +1,22 @@
-"""bf16 on a CPU with native bf16 GEMMs runs attention as two oneDNN GEMMs around a softmax (`gemm_attention`, the
-plan's kernel there), in inference and in training: eager attention's numbers and gradients for every mask the layers
-give it, each score rounded once, on the padded and the packed path of every kind of layer; float32 and other
-CPUs keep the configured backend."""
+"""On the CPU, attention in a precision oneDNN runs natively (bf16 where the CPU has native bf16 GEMMs, float32 with
+`cpu_kernels="onednn"`) runs in oneDNN's kernels: in inference as one fused oneDNN Graph kernel (`fused_attention`),
+where autograd may record in bf16 as two oneDNN GEMMs around a softmax (`gemm_attention`). Each gives eager attention's
+numbers (and gradients) for every mask the layers give it, each score rounded once, on the padded and the packed path
+of every kind of layer; float32 by default and other CPUs keep the configured backend."""
 
+import itertools
+import random
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import batch, build
 from test_family_mechanisms import DEBERTA_LIKE, MPNET_LIKE
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from encoderstack import EncoderStackForMaskedLM, EncoderStackModel, execution_encoderstack
-from encoderstack.execution_encoderstack import GEMM_ATTENTION, gemm_attention
+from encoderstack.execution_encoderstack import FUSED_ATTENTION, GEMM_ATTENTION, fused_attention, gemm_attention
 
 ENCODER = SimpleNamespace(is_causal=False, training=False)  # what the kernels read of the calling module
 HEADS, HEAD_DIM = 4, 8
@@ -86,19 +90,26 @@ def test_in_bf16_each_score_is_rounded_once_so_the_error_is_no_larger_than_eager
 
 
 @pytest.fixture
-def gemm_calls(monkeypatch):
-    """The rows and length of every `gemm_attention` call, as if the CPU had native bf16 GEMMs (bf16 batched matmuls
-    run everywhere, slowly where emulated) and on this file's short sequences too."""
+def kernel_calls(monkeypatch):
+    """The kernel, rows and length of every `gemm_attention` and `fused_attention` call, as if the CPU had native bf16
+    GEMMs (bf16 batched matmuls run everywhere, slowly where emulated) and on this file's short sequences too."""
     monkeypatch.setattr(execution_encoderstack, "BF16_GEMMS", True)
     monkeypatch.setattr(execution_encoderstack, "GEMM_MIN_KEYS", 1)
+    monkeypatch.setattr(execution_encoderstack, "FUSED_MIN_KEYS", 1)
     calls = []
+    for name, kernel in ((GEMM_ATTENTION, gemm_attention), (FUSED_ATTENTION, fused_attention)):
 
-    def counted(module, query, *args, **kwargs):
-        calls.append((query.shape[0], query.shape[2]))
-        return gemm_attention(module, query, *args, **kwargs)
+        def counted(module, query, *args, name=name, kernel=kernel, **kwargs):
+            calls.append((name, query.shape[0], query.shape[2]))
+            return kernel(module, query, *args, **kwargs)
 
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, GEMM_ATTENTION, counted)
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, name, counted)
     return calls
+
+
+def expected_calls(kernel, padding_free, layers):
+    """What `kernel_calls` holds after a forward of `batch()`: rows of 9, 5 and 7 real tokens padded to 9."""
+    return [(kernel, *call) for call in ([(1, 9), (1, 5), (1, 7)] if padding_free else [(3, 9)])] * layers
 
 
 MODELS = {
@@ -116,15 +127,16 @@ MODELS = {
 
 @pytest.mark.parametrize("padding_free", [True, False], ids=["packed", "padded"])
 @pytest.mark.parametrize("config", MODELS.values(), ids=MODELS)
-def test_bf16_inference_runs_every_layer_as_gemms_with_the_numbers_of_sdpa(
-    gemm_calls, config, padding_free, monkeypatch
+@pytest.mark.parametrize("kernel", [FUSED_ATTENTION, GEMM_ATTENTION], ids=["fused", "without oneDNN Graph: GEMMs"])
+def test_bf16_inference_runs_every_layer_in_the_kernel_with_the_numbers_of_sdpa(
+    kernel_calls, kernel, config, padding_free, monkeypatch
 ):
+    monkeypatch.setattr(execution_encoderstack, "ONEDNN_GRAPH", kernel == FUSED_ATTENTION)
     model = build(EncoderStackModel, **config).to(torch.bfloat16)
-    inputs = batch()  # rows of 9, 5 and 7 real tokens, padded to 9
+    inputs = batch()
     with torch.no_grad():
         fast = model(**inputs, padding_free=padding_free).last_hidden_state
-    layers = model.config.num_hidden_layers
-    assert gemm_calls == ([(1, 9), (1, 5), (1, 7)] * layers if padding_free else [(3, 9)] * layers)
+    assert kernel_calls == expected_calls(kernel, padding_free, model.config.num_hidden_layers)
     monkeypatch.setattr(execution_encoderstack, "BF16_GEMMS", False)  # the plan keeps SDPA
     with torch.no_grad():
         sdpa = model(**inputs, padding_free=padding_free).last_hidden_state
@@ -133,12 +145,30 @@ def test_bf16_inference_runs_every_layer_as_gemms_with_the_numbers_of_sdpa(
     torch.testing.assert_close(fast[real].float(), sdpa[real].float(), atol=3e-2, rtol=0)
 
 
-def test_float32_keeps_the_configured_backend_in_inference_and_training(gemm_calls):
+@pytest.mark.parametrize("padding_free", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("config", MODELS.values(), ids=MODELS)
+def test_float32_inference_with_onednn_kernels_runs_every_layer_fused_with_the_numbers_of_sdpa(
+    kernel_calls, config, padding_free
+):
+    model = build(EncoderStackModel, **config, cpu_kernels="onednn")
+    inputs = batch()
+    with torch.no_grad():
+        fused = model(**inputs, padding_free=padding_free).last_hidden_state
+        assert kernel_calls == expected_calls(FUSED_ATTENTION, padding_free, model.config.num_hidden_layers)
+        model.set_cpu_kernels("torch")
+        reference = model(**inputs, padding_free=padding_free).last_hidden_state
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(fused[real], reference[real], atol=1e-5, rtol=0)
+
+
+def test_float32_keeps_the_configured_backend_by_default_and_in_training_with_onednn_kernels(kernel_calls):
     model = build(EncoderStackModel)
     with torch.no_grad():
         model(**batch())
     model.train()(**batch())
-    assert gemm_calls == []
+    model.set_cpu_kernels("onednn")
+    model(**batch())  # autograd records
+    assert kernel_calls == []
 
 
 @pytest.mark.parametrize("mask", ["none", "per head", "per row and head"])
@@ -162,8 +192,8 @@ def test_gradients_through_gemm_attention_are_eager_attention_s_in_float32(mask)
 
 
 @pytest.mark.parametrize("padding_free", [True, False], ids=["packed", "padded"])
-def test_a_bf16_autocast_training_step_through_the_kernel_gives_sdpa_s_loss_and_gradients(
-    gemm_calls, padding_free, monkeypatch
+def test_a_bf16_autocast_training_step_through_the_gemms_gives_sdpa_s_loss_and_gradients(
+    kernel_calls, padding_free, monkeypatch
 ):
     """Trainer(bf16=True) on the CPU: float32 weights under bf16 autocast."""
     model = build(EncoderStackForMaskedLM).train()
@@ -177,8 +207,7 @@ def test_a_bf16_autocast_training_step_through_the_kernel_gives_sdpa_s_loss_and_
         loss.backward()
         steps.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
         model.zero_grad()
-    layers = model.config.num_hidden_layers
-    assert gemm_calls == ([(1, 9), (1, 5), (1, 7)] * layers if padding_free else [(3, 9)] * layers)
+    assert kernel_calls == expected_calls(GEMM_ATTENTION, padding_free, model.config.num_hidden_layers)
     (fast_loss, fast), (sdpa_loss, sdpa) = steps
     torch.testing.assert_close(fast_loss, sdpa_loss, atol=2e-2, rtol=0)
     for (
@@ -188,10 +217,153 @@ def test_a_bf16_autocast_training_step_through_the_kernel_gives_sdpa_s_loss_and_
         assert (fast[name] - grad).norm() <= 0.02 * grad.norm() + 1e-6, name
 
 
-def test_the_plan_names_the_kernel_only_where_the_cpu_has_native_bf16_gemms(monkeypatch):
+def test_the_plan_names_the_kernels_only_where_the_cpu_has_native_bf16_gemms():
     model = build(EncoderStackModel).to(torch.bfloat16)
     with torch.no_grad():
-        plan = model.execution_plan(**batch(), padding_free=False)
+        inference = model.execution_plan(**batch(), padding_free=False)
+    training = model.execution_plan(**batch(), padding_free=False)  # grad mode on: autograd may record
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported() and execution_encoderstack.ONEDNN_LINEAR
-    assert (plan.attention == GEMM_ATTENTION) == native, plan.reason
-    assert ("attention as GEMMs" in plan.reason) == native
+    fused = native and execution_encoderstack.ONEDNN_GRAPH
+    assert (inference.attention == FUSED_ATTENTION) == fused, inference.reason
+    assert ("attention fused by oneDNN Graph" in inference.reason) == fused
+    assert (training.attention == GEMM_ATTENTION) == native, training.reason
+    assert ("attention as GEMMs" in training.reason) == native
+
+
+@pytest.fixture
+def fused_only(monkeypatch):
+    """`fused_attention` on every length, and SDPA (its fallback) counted: the calls that fell back."""
+    monkeypatch.setattr(execution_encoderstack, "FUSED_MIN_KEYS", 1)
+    fallbacks = []
+
+    def counted(*args, **kwargs):
+        fallbacks.append(args[1].shape)
+        return sdpa_attention_forward(*args, **kwargs)
+
+    monkeypatch.setattr(execution_encoderstack, "sdpa_attention_forward", counted)
+    return fallbacks
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("length", LENGTHS)
+def test_fused_attention_gives_eager_attention_s_numbers_in_float32_for_every_mask(length, mask, fused_only):
+    query, key, value = qkv(3, length, torch.float32)
+    attention_mask = mask_of(mask, 3, length, torch.float32)
+    with torch.no_grad():
+        context, weights = fused_attention(ENCODER, query, key, value, attention_mask, scaling=HEAD_DIM**-0.5)
+    assert fused_only == [] and weights is None and context.shape == (3, length, HEADS, HEAD_DIM)
+    torch.testing.assert_close(context.double(), eager(query, key, value, attention_mask), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("length", LENGTHS[1:])
+def test_fused_bf16_attention_s_error_is_no_larger_than_eager_bf16_attention_s(length, fused_only):
+    query, key, value = qkv(8, length, torch.bfloat16)
+    mask = mask_of("per head", 8, length, torch.bfloat16)
+    with torch.no_grad():
+        fast = fused_attention(ENCODER, query, key, value, mask, scaling=HEAD_DIM**-0.5)[0]
+        rounded_thrice = execution_encoderstack.eager_attention_forward(
+            ENCODER, query, key, value, mask, scaling=HEAD_DIM**-0.5
+        )[0]
+    exact = eager(query, key, value, mask)
+    error = {
+        name: (out.double() - exact).abs().mean().item() for name, out in (("fused", fast), ("eager", rounded_thrice))
+    }
+    assert fused_only == [] and error["fused"] <= error["eager"], error
+
+
+def test_fused_attention_leaves_to_sdpa_what_it_cannot_compute(fused_only, monkeypatch):
+    """Autograd (the fused graph has no backward), dropout, and keys below FUSED_MIN_KEYS (SDPA is as fast)."""
+    query, key, value = qkv(2, 70, torch.float32)
+    training = SimpleNamespace(is_causal=False, training=True)
+    fused_attention(training, query, key, value, None, scaling=1.0, dropout=0.1)
+    leaf = query.detach().requires_grad_()
+    fused_attention(ENCODER, leaf, key, value, None, scaling=1.0)[0].sum().backward()
+    assert leaf.grad is not None
+    monkeypatch.setattr(execution_encoderstack, "FUSED_MIN_KEYS", 71)
+    with torch.no_grad():
+        fused_attention(ENCODER, query, key, value, None, scaling=1.0)
+    assert fused_only == [query.shape] * 3
+
+
+def test_each_shape_compiles_once_a_packed_row_s_sequences_share_their_length_s_graph_and_few_are_kept(
+    fused_only, monkeypatch
+):
+    monkeypatch.setattr(execution_encoderstack, "fused_graphs", type(execution_encoderstack.fused_graphs)())
+    monkeypatch.setattr(execution_encoderstack, "FUSED_GRAPHS_KEPT", 2)
+    traced = []
+    trace = torch.jit.trace
+    monkeypatch.setattr(
+        torch.jit, "trace", lambda *args, **kwargs: traced.append(args[1][0].shape) or trace(*args, **kwargs)
+    )
+    query, key, value = qkv(1, 70, torch.float32)  # a packed row: sequences of 30, 30 and 10 tokens
+    with torch.no_grad():
+        for length, start in ((30, 0), (30, 30), (10, 60), (30, 0)):
+            piece = slice(start, start + length)
+            fused_attention(ENCODER, query[:, :, piece], key[:, :, piece], value[:, :, piece], None, scaling=1.0)
+    assert [shape[2] for shape in traced] == [30, 10]
+    assert len(execution_encoderstack.fused_graphs) == 2 and fused_only == []
+
+
+def layouts(rows, heads, length, dtype, generator):
+    """Queries, keys and values in each layout attention meets: a layer's own ((rows, length, heads, dim) viewed as
+    (rows, heads, length, dim)), contiguous, one of three projections in one tensor, a sequence of a packed row, and a
+    one-row batch whose row stride equals its token stride (a layout oneDNN Graph misread)."""
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    dim = HEAD_DIM
+    interleaved = draw(rows, length, 3, heads, dim)
+    packed = [draw(1, 2 * length + 5, heads, dim).transpose(1, 2)[:, :, length + 3 : 2 * length + 3] for _ in range(3)]
+    own = [draw(rows, length, heads, dim).transpose(1, 2) for _ in range(3)]
+    return {
+        "a layer's": own,
+        "contiguous": [draw(rows, heads, length, dim) for _ in range(3)],
+        "interleaved": [interleaved[:, :, i].transpose(1, 2) for i in range(3)],
+        "packed": packed,
+        "row stride = token stride": [
+            x[:1].as_strided((1, heads, length, dim), (heads * dim, dim, heads * dim, 1)) for x in own
+        ],
+    }
+
+
+def test_fused_attention_gives_eager_attention_s_numbers_for_every_layout_in_any_order(fused_only):
+    """oneDNN Graph keeps the first kernel it compiles for a shape whatever the size-one strides of later inputs: one
+    wrong layout first would make every later one wrong, so the cases run shuffled, in one process."""
+    generator = torch.Generator().manual_seed(3)
+    cases = []
+    for dtype, rows, heads, length in itertools.product((torch.float32, torch.bfloat16), (1, 3), (1, 4), (9, 70)):
+        for layout, (query, key, value) in layouts(rows, heads, length, dtype, generator).items():
+            count = query.shape[0]
+            masks = {
+                "none": None,
+                "per row": torch.randn(count, 1, 1, length, generator=generator).to(dtype),
+                "per head": torch.randn(1, heads, length, length, generator=generator).to(dtype),
+                "boolean": (torch.rand(count, 1, 1, length, generator=generator) > 0.3)
+                .index_fill(-1, torch.tensor(0), True)
+                .expand(count, 1, length, length),
+            }
+            cases += [(dtype, layout, query, key, value, mask) for mask in masks.values()]
+    random.Random(0).shuffle(cases)
+    for dtype, layout, query, key, value, mask in cases:
+        exact = eager(query, key, value, mask)
+        with torch.no_grad():
+            context = fused_attention(ENCODER, query, key, value, mask, scaling=HEAD_DIM**-0.5)[0]
+        # bf16: each probability rounded to 8 bits, then summed over up to 70 values of unit size
+        tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(context.double(), exact, atol=tolerance, rtol=0, msg=f"{dtype}, {layout}")
+    assert fused_only == []
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_compiling_leaves_torchscript_s_onednn_fusion_switch_as_it_was(enabled, fused_only, monkeypatch):
+    monkeypatch.setattr(execution_encoderstack, "fused_graphs", type(execution_encoderstack.fused_graphs)())
+    before = torch.jit.onednn_fusion_enabled()
+    torch.jit.enable_onednn_fusion(enabled)
+    try:
+        with torch.no_grad():
+            fused_attention(ENCODER, *qkv(1, 70, torch.float32), None, scaling=1.0)
+        assert torch.jit.onednn_fusion_enabled() == enabled
+    finally:
+        torch.jit.enable_onednn_fusion(before)
+    assert fused_only == []

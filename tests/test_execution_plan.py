@@ -25,6 +25,8 @@ from encoderstack.execution_encoderstack import (
 BF16, FP32, FP16 = torch.bfloat16, torch.float32, torch.float16
 CPU, H100, A100, T4 = ("cpu", None), ("cuda", (9, 0)), ("cuda", (8, 0)), ("cuda", (7, 5))
 FLASH, PER_SEQUENCE, GEMM = "encoderstack_flash", "encoderstack_per_sequence", "encoderstack_gemm"
+FUSED = "encoderstack_fused"
+NATIVE_BF16, ONEDNN_FP32 = {"bf16_gemms": True, "onednn_graph": True}, {"onednn_graph": True, "cpu_kernels": "onednn"}
 
 
 def facts(device=CPU, dtype=FP32, inputs="padded", backend="sdpa", **overrides):
@@ -104,7 +106,7 @@ PLAN_TABLE = [
     ((H100, BF16, "whole", {"backend": "flash_attention_2"}), ("padded", "flash_attention_2")),
     # bf16 on a CPU with native bf16 GEMMs, inference and training: attention as GEMMs (each sequence's when packed)
     ((CPU, BF16, "whole", {"bf16_gemms": True}), ("padded", GEMM)),
-    ((CPU, BF16, "padded", {"bf16_gemms": True}), ("per_sequence", "encoderstack_per_sequence")),
+    ((CPU, BF16, "padded", {"bf16_gemms": True}), ("per_sequence", PER_SEQUENCE, GEMM)),
     ((CPU, BF16, "flattened", {"bf16_gemms": True, "padding_free": False}), ("block_diagonal", GEMM)),
     ((CPU, BF16, "whole", {"bf16_gemms": True, "attention_dropout": True}), ("padded", GEMM)),
     ((CPU, BF16, "whole", {"bf16_gemms": True, "recording": True}), ("padded", "sdpa")),
@@ -113,6 +115,24 @@ PLAN_TABLE = [
     ((CPU, FP32, "whole", {"bf16_gemms": True}), ("padded", "sdpa")),
     ((CPU, BF16, "whole", {"bf16_gemms": False}), ("padded", "sdpa")),
     ((H100, BF16, "whole", {"bf16_gemms": True}), ("padded", "sdpa")),
+    # ... in inference (nothing for autograd to record) one fused oneDNN Graph kernel, in bf16 and in float32 where
+    # config.cpu_kernels="onednn"; where autograd may record, GEMMs in bf16 and SDPA in float32
+    ((CPU, BF16, "whole", NATIVE_BF16), ("padded", FUSED)),
+    ((CPU, BF16, "padded", NATIVE_BF16), ("per_sequence", PER_SEQUENCE, FUSED)),
+    ((CPU, BF16, "whole", {**NATIVE_BF16, "autograd": True}), ("padded", GEMM)),
+    ((CPU, BF16, "padded", {**NATIVE_BF16, "autograd": True}), ("per_sequence", PER_SEQUENCE, GEMM)),
+    ((CPU, BF16, "whole", {**NATIVE_BF16, "attention_dropout": True}), ("padded", GEMM)),
+    ((CPU, BF16, "whole", {**NATIVE_BF16, "recording": True}), ("padded", "sdpa")),
+    ((CPU, BF16, "whole", {**NATIVE_BF16, "bf16_gemms": False}), ("padded", "sdpa")),
+    ((CPU, FP32, "whole", {"onednn_graph": True}), ("padded", "sdpa")),
+    ((CPU, FP32, "whole", ONEDNN_FP32), ("padded", FUSED)),
+    ((CPU, FP32, "padded", ONEDNN_FP32), ("per_sequence", PER_SEQUENCE, FUSED)),
+    ((CPU, FP32, "flattened", {**ONEDNN_FP32, "padding_free": False}), ("block_diagonal", FUSED)),
+    ((CPU, FP32, "whole", {**ONEDNN_FP32, "autograd": True}), ("padded", "sdpa")),
+    ((CPU, FP32, "flattened", {**ONEDNN_FP32, "compiling": True}), ("block_diagonal", "sdpa")),
+    ((CPU, FP32, "whole", {**ONEDNN_FP32, "backend": "eager"}), ("padded", "eager")),
+    ((CPU, FP32, "whole", {"cpu_kernels": "onednn"}), ("padded", "sdpa")),
+    ((H100, FP32, "whole", ONEDNN_FP32), ("padded", "sdpa")),
 ]
 
 
@@ -124,11 +144,12 @@ def cell_id(cell):
 
 @pytest.mark.parametrize(("cell", "expected"), PLAN_TABLE, ids=[cell_id(cell) for cell, _ in PLAN_TABLE])
 def test_the_plan_for_every_cell_of_the_table(cell, expected):
+    """(kind, attention function[, the kernel each sequence runs on the per-sequence path where not the backend])"""
     device, dtype, inputs, other = cell
     plan = decide_plan(facts(device, dtype, inputs, **other))
-    assert (plan.kind, plan.attention) == expected, plan.reason
+    assert (plan.kind, plan.attention) == expected[:2], plan.reason
     kernel = plan.layer_attention("full_attention")[1].get("sequence_attention")
-    assert kernel == (GEMM if plan.attention == PER_SEQUENCE and other.get("bf16_gemms") and dtype == BF16 else None)
+    assert kernel == (expected[2] if len(expected) > 2 else None)
 
 
 def test_attention_dropout_never_changes_the_kind_of_plan_and_says_so_where_it_changes_the_kernel():

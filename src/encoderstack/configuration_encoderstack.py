@@ -211,8 +211,8 @@ HeadLayout = Literal[tuple(HEADS)]
 HEAD_LAYOUTS = get_args(HeadLayout)
 LayerType = Literal["full_attention", "sliding_attention"]  # transformers' names
 LAYER_TYPES = get_args(LayerType)
-CpuLinear = Literal["torch", "onednn"]
-CPU_LINEARS = get_args(CpuLinear)
+CpuKernels = Literal["torch", "onednn"]
+CPU_KERNELS = get_args(CpuKernels)
 ClassifierPooling = Literal["first", "mean", "late"]
 AttentionProjection = Literal["query", "key", "value", "output", "position_key", "position_query"]
 
@@ -306,12 +306,13 @@ class EncoderStackConfig(PreTrainedConfig):
         Whether the heads' dense layers (the masked-LM transform, a layout's classification transform) have biases.
     decoder_bias (`bool`, defaults to `True`):
         Whether the masked-LM decoder has a bias.
-    cpu_linear (`str`, defaults to `"torch"`):
-        Which library runs the float32 projections on the CPU: `"torch"` (its linear, MKL's GEMM: the reference
-        classes' own kernels, so a converted model gives their numbers) or `"onednn"` (oneDNN, with exact GELU fused
-        into the up-projection: 2x faster on an AMD EPYC with AVX-512, 1.15x on Intel cores; the GEMM's reduction
-        order differs, ~1e-5 from the reference on a bert-large-sized model). bf16 projections run in oneDNN either
-        way where the CPU has native bf16. Change it on a built model with `model.set_cpu_linear(...)`.
+    cpu_kernels (`str`, defaults to `"torch"`):
+        Which library runs float32 on the CPU: `"torch"` (its linear, MKL's GEMM, and its SDPA kernel: the reference
+        classes' own kernels, so a converted model gives their numbers) or `"onednn"` (oneDNN: projections with exact
+        GELU fused into the up-projection, 2x faster on an AMD EPYC with AVX-512, 1.15x on Intel cores; and in
+        inference attention as one oneDNN Graph kernel, 2.2-2.5x SDPA; other reduction orders, ~1e-5 from the
+        reference on a bert-large-sized model). bf16 runs in oneDNN either way where the CPU has native bf16. Change
+        it on a built model with `model.set_cpu_kernels(...)`. (`cpu_linear`, its name before, is read as it.)
     prediction_head_size (`int`, *optional*):
         `head_layout="ultrabert"` only: the width between the masked-LM head's two projections; `None`: the hidden
         size.
@@ -408,7 +409,7 @@ class EncoderStackConfig(PreTrainedConfig):
     classifier_bias: bool = True
     decoder_bias: bool = True
     prediction_head_size: int | None = None
-    cpu_linear: CpuLinear = "torch"
+    cpu_kernels: CpuKernels = "torch"
     relative_attention: Literal["bias", "disentangled"] | None = None
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
@@ -425,6 +426,8 @@ class EncoderStackConfig(PreTrainedConfig):
         rope_parameters = kwargs.pop("rope_parameters", None)
         if rope_parameters is not None or self.position_embedding_type == "rope":
             self.rope_parameters = rope_parameters
+        if "cpu_linear" in kwargs:  # configs saved before the field covered attention too
+            self.cpu_kernels = kwargs.pop("cpu_linear")
         super().__post_init__(**kwargs)
 
     def convert_rope_params_to_dict(self, **kwargs):

@@ -9,6 +9,8 @@ only): `save_pretrained` copies it, as the modeling file's relative import, for 
 
 import dataclasses
 import inspect
+import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,7 +70,7 @@ FUSED_ACTIVATIONS = {"gelu": nn.functional.gelu}
 
 def linear(x, weight, bias, activation: str | None = None, float32_in_onednn: bool = False) -> torch.Tensor:
     """`F.linear` (then `activation`, a `FUSED_ACTIVATIONS` name), through oneDNN on the CPU: in bf16 where the CPU
-    has it, in float32 where `float32_in_onednn` (`config.cpu_linear="onednn"`). torch's float32 CPU linear is MKL's
+    has it, in float32 where `float32_in_onednn` (`config.cpu_kernels="onednn"`). torch's float32 CPU linear is MKL's
     GEMM: 107 GFLOP/s on one AMD EPYC core (AVX-512) against oneDNN's 240 (docs/performance.md), but it is what the
     reference classes run, so float32 keeps it by default. In inference the activation runs in the GEMM's epilogue
     (exact GELU: the same numbers, one pass over the FFN's widest tensor less). Autocast, compilers and exporters keep
@@ -145,6 +147,110 @@ def gemm_attention(module, query, key, value, attention_mask, scaling=None, drop
         weights = nn.functional.dropout(weights, p=dropout) if dropout else weights
         context[start : start + rows] = torch.bmm(weights, value[block]).unflatten(0, (-1, heads)).transpose(1, 2)
     return context, None
+
+
+# TorchScript's oneDNN Graph fuser compiles softmax(q k^T * scaling + mask) v into oneDNN's fused attention kernel
+# (the kind OpenVINO's CPU plugin runs): torch's only route to it. TorchScript is deprecated; where a torch has dropped
+# the fuser, ONEDNN_GRAPH is False and the plan keeps the kernels above. Below FUSED_MIN_KEYS keys SDPA is as fast
+# (1.0x on 16-32 keys, fused 1.7x faster on 64, 2.1x on 128). Each compiled shape holds ~1 MB and took 15-50 ms to
+# compile; FUSED_GRAPHS_KEPT bounds them (the per-sequence path compiles one per sequence length).
+ONEDNN_GRAPH = ONEDNN_LINEAR and hasattr(torch.jit, "enable_onednn_fusion")
+FUSED_MIN_KEYS, FUSED_GRAPHS_KEPT = 64, 256
+
+
+class ScaledDotProduct(nn.Module):
+    """softmax(q k^T * scaling + mask) v, written as the pattern oneDNN Graph fuses."""
+
+    def __init__(self, scaling: float):
+        super().__init__()
+        self.scaling = scaling
+
+    def forward(self, query, key, value, *mask):
+        scores = torch.matmul(query, key.transpose(-1, -2)) * self.scaling
+        if mask:
+            scores = scores + mask[0]
+        return torch.matmul(torch.softmax(scores, dim=-1), value)
+
+
+fused_graphs: OrderedDict = OrderedDict()  # (scaling, each input's shape, strides and dtype) -> graph or None
+
+
+def fused_graph(inputs: tuple, scaling: float):
+    """The compiled `ScaledDotProduct` for inputs of these shapes, strides and dtypes (the fuser specializes on all
+    three), compiled on first use; None where oneDNN Graph fused nothing (TorchScript's unfused graph would run, slower
+    than SDPA)."""
+    key = (scaling, *((x.shape, x.stride(), x.dtype) for x in inputs))
+    if key in fused_graphs:
+        fused_graphs.move_to_end(key)
+        return fused_graphs[key]
+    enabled = torch.jit.onednn_fusion_enabled()
+    torch.jit.enable_onednn_fusion(True)  # a global switch: on only while this graph is traced and optimized
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript's; see ONEDNN_GRAPH
+            graph = torch.jit.freeze(torch.jit.trace(ScaledDotProduct(scaling).eval(), inputs, check_trace=False))
+        fused = False
+        for _ in range(3):  # a profiling run, then the optimized graph
+            graph(*inputs)
+            fused = "prim::oneDNNFusionGroup" in str(torch.jit.last_executed_optimized_graph())
+            if fused:
+                break
+    finally:
+        torch.jit.enable_onednn_fusion(enabled)
+    fused_graphs[key] = graph if fused else None
+    if len(fused_graphs) > FUSED_GRAPHS_KEPT:
+        fused_graphs.popitem(last=False)
+    return fused_graphs[key]
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`mask` (transformers' boolean mask, True attends, or an additive one) as a dense additive mask in `dtype`,
+    every dimension it only broadcasts (stride 0) narrowed to one."""
+    mask = mask[
+        tuple(slice(0, 1) if not step and size > 1 else slice(None) for size, step in zip(mask.shape, mask.stride()))
+    ]
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+    return mask.to(dtype).contiguous()
+
+
+def unambiguous(x: torch.Tensor) -> torch.Tensor:
+    """`x` with each size-one dimension's stride set to the tensor's span. oneDNN Graph gave wrong numbers for a layout
+    in which a size-one dimension's stride equalled another dimension's (a packed sequence of 9 tokens, 4 heads of 8:
+    batch stride 32 = token stride), and reused that kernel for the shape whatever the size-one strides were after."""
+    span = 1 + sum((size - 1) * step for size, step in zip(x.shape, x.stride()))
+    return x.as_strided(x.shape, [span if size == 1 else step for size, step in zip(x.shape, x.stride())])
+
+
+def fused_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention as one oneDNN Graph kernel (see `ONEDNN_GRAPH`), in inference: 2.2-2.5x SDPA in float32 and
+    1.5-3x `gemm_attention` in bf16 on all-MiniLM-L6-v2's shapes, with `gemm_attention`'s numbers in bf16 (each score
+    rounded to bf16 once). The plan's kernel where nothing is recorded for autograd (`attention_kernel`); SDPA runs
+    where autograd records, with dropout, below FUSED_MIN_KEYS keys, under a tracer, and where nothing fused."""
+    graph, scaling = None, query.shape[-1] ** -0.5 if scaling is None else scaling
+    inputs = (query, key, value)
+    if not (
+        dropout
+        or key.shape[2] < FUSED_MIN_KEYS
+        or query.device.type != "cpu"
+        or (
+            torch.is_grad_enabled()
+            and any(x.requires_grad for x in (query, key, value, attention_mask) if x is not None)
+        )
+        or torch.jit.is_tracing()
+        or torch.compiler.is_compiling()
+    ):
+        if attention_mask is not None:
+            inputs += (additive_mask(attention_mask, query.dtype),)
+        inputs = tuple(unambiguous(x) for x in inputs)
+        with torch.autocast("cpu", enabled=False):  # the projections gave bf16 already; TorchScript traces no autocast
+            graph = fused_graph(inputs, scaling)
+    if graph is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, is_causal=False
+        )
+    with torch.autocast("cpu", enabled=False):
+        return graph(*inputs).transpose(1, 2), None
 
 
 VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # transformers' names
@@ -277,6 +383,9 @@ class PlanFacts:
     padded_tokens: int = 0  # batch x sequence length of the input
     relative_attention: str | None = None  # config.relative_attention: a term added to the scores; None: none
     bf16_gemms: bool = False  # oneDNN runs bf16 GEMMs natively on this CPU (AVX-512 BF16, AMX)
+    onednn_graph: bool = False  # this torch fuses attention with oneDNN Graph (ONEDNN_GRAPH)
+    cpu_kernels: str = "torch"  # config.cpu_kernels: the library of float32 on the CPU
+    autograd: bool = False  # grad mode is on: autograd may record the forward
 
 
 def transformers_window(radius: int) -> int:
@@ -366,17 +475,16 @@ def flash_missing(facts: PlanFacts) -> str | None:
 
 
 def attention_kernel(facts: PlanFacts) -> str:
-    """The function that computes attention for the configured backend, on whatever rows the plan gives it:
-    `gemm_attention` for SDPA in bf16 on a CPU with native bf16 GEMMs (torch's SDPA kernel runs float32
-    GEMMs there: all-MiniLM-L6-v2 1.14-1.22x faster on full 32x128, 1.36-1.45x on full 8x512,
-    docs/benchmarks/deployment-gemm-attention-2threads.txt), else the backend."""
-    if (
-        facts.backend == "sdpa"
-        and facts.device_type == "cpu"
-        and facts.dtype == torch.bfloat16
-        and facts.bf16_gemms
-        and not (facts.recording or facts.compiling)
-    ):
+    """The function that computes attention for the configured backend, on whatever rows the plan gives it. For SDPA
+    on the CPU, in a precision oneDNN runs natively (bf16 where the CPU has native bf16 GEMMs, float32 where
+    `config.cpu_kernels="onednn"`): `fused_attention` in inference (oneDNN Graph's kernel), `gemm_attention` in bf16
+    where autograd may record (torch's SDPA kernel runs bf16 through float32 GEMMs there), else the backend."""
+    if facts.backend != "sdpa" or facts.device_type != "cpu" or facts.recording or facts.compiling:
+        return facts.backend
+    native = {torch.float32: facts.cpu_kernels == "onednn", torch.bfloat16: facts.bf16_gemms}.get(facts.dtype, False)
+    if native and facts.onednn_graph and not (facts.autograd or facts.attention_dropout):
+        return FUSED_ATTENTION
+    if facts.dtype == torch.bfloat16 and facts.bf16_gemms:
         return GEMM_ATTENTION
     return facts.backend
 
@@ -393,8 +501,8 @@ def decide_plan(facts: PlanFacts) -> ExecutionPlan:
             f"{facts.backend} backend cannot take: use one of {', '.join(SCORE_TERM_BACKENDS)}."
         )
     plan = decide_kind(facts)
-    if plan.kernel == GEMM_ATTENTION:
-        plan = dataclasses.replace(plan, reason=f"{plan.reason}; bf16 on this CPU: attention as GEMMs")
+    if plan.kernel in KERNEL_REASONS:
+        plan = dataclasses.replace(plan, reason=f"{plan.reason}; {KERNEL_REASONS[plan.kernel]}")
     if facts.sliding_window is None:
         return plan
     sliding, why = sliding_attention(facts, plan)
@@ -668,8 +776,14 @@ def banded_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 VARLEN_ATTENTION, PER_SEQUENCE = "encoderstack_varlen", "encoderstack_per_sequence"
 FLASH_ATTENTION, BANDED_ATTENTION = "encoderstack_flash", "encoderstack_banded"
-GEMM_ATTENTION = "encoderstack_gemm"
+GEMM_ATTENTION, FUSED_ATTENTION = "encoderstack_gemm", "encoderstack_fused"
 AttentionInterface.register(GEMM_ATTENTION, gemm_attention)
+AttentionInterface.register(FUSED_ATTENTION, fused_attention)
+# what the plan's reason adds where its kernel is not the backend
+KERNEL_REASONS = {
+    GEMM_ATTENTION: "bf16 on this CPU: attention as GEMMs",
+    FUSED_ATTENTION: "attention fused by oneDNN Graph",
+}
 AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
 AttentionInterface.register(PER_SEQUENCE, per_sequence_attention)
 AttentionInterface.register(FLASH_ATTENTION, flash_attention)
@@ -749,6 +863,9 @@ def plan_facts(
         flash_window=FLASH_TAKES_WINDOW,
         relative_attention=config.relative_attention,
         bf16_gemms=BF16_GEMMS,
+        onednn_graph=ONEDNN_GRAPH,
+        cpu_kernels=config.cpu_kernels,
+        autograd=torch.is_grad_enabled(),
     )
 
 

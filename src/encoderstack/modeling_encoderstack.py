@@ -37,7 +37,7 @@ from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_encoderstack import (  # noqa: F401 (Placement, PLACEMENTS, Heads: their old home, kept)
-    CPU_LINEARS,
+    CPU_KERNELS,
     GATED_ACTIVATIONS,
     HEADS,
     PLACEMENTS,
@@ -303,9 +303,9 @@ class EncoderStackKwargs(TransformersKwargs, total=False):
 
 class Linear(nn.Linear):
     """`nn.Linear` whose forward is `execution_encoderstack.linear` (oneDNN on the CPU for bf16, and for float32
-    where `config.cpu_linear` says so), optionally followed by an activation it may fuse."""
+    where `config.cpu_kernels` says so), optionally followed by an activation it may fuse."""
 
-    float32_in_onednn = False  # `config.cpu_linear == "onednn"`, set by the model (`set_cpu_linear`)
+    float32_in_onednn = False  # `config.cpu_kernels == "onednn"`, set by the model (`set_cpu_kernels`)
 
     def forward(self, x, activation: str | None = None):
         return linear(x, self.weight, self.bias, activation, self.float32_in_onednn)
@@ -598,14 +598,14 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
 
     def post_init(self):
         super().post_init()
-        self.set_cpu_linear(self.config.cpu_linear)
+        self.set_cpu_kernels(self.config.cpu_kernels)
 
-    def set_cpu_linear(self, library: str) -> None:
-        """Which library runs this model's float32 projections on the CPU from now on (`config.cpu_linear`: "torch"
-        or "onednn"), as `set_attn_implementation` does for attention."""
-        if library not in CPU_LINEARS:
-            raise ValueError(f'`cpu_linear` must be "torch" or "onednn", got {library!r}.')
-        self.config.cpu_linear = library
+    def set_cpu_kernels(self, library: str) -> None:
+        """Which library runs this model's float32 projections and attention on the CPU from now on
+        (`config.cpu_kernels`: "torch" or "onednn"), as `set_attn_implementation` does for attention."""
+        if library not in CPU_KERNELS:
+            raise ValueError(f'`cpu_kernels` must be "torch" or "onednn", got {library!r}.')
+        self.config.cpu_kernels = library
         for module in self.modules():
             if isinstance(module, Linear):
                 module.float32_in_onednn = library == "onednn"

@@ -1,7 +1,9 @@
 """On the CPU the model's projections run in oneDNN (faster than torch's MKL linear, measured in docs/performance.md):
-in bf16 where the CPU has it, and in float32 where `config.cpu_linear="onednn"` asks (by default float32 keeps the
+in bf16 where the CPU has it, and in float32 where `config.cpu_kernels="onednn"` asks (by default float32 keeps the
 reference classes' own kernels); in inference and in training, with F.linear's numbers within float32's resolution;
 autocast and compilers keep F.linear."""
+
+import json
 
 import pytest
 import torch
@@ -32,7 +34,7 @@ def projections(model) -> int:
 
 
 def test_float32_inference_runs_every_projection_through_onednn_with_f_linear_s_numbers(onednn_calls, monkeypatch):
-    model = build(encoderstack.EncoderStackForMaskedLM, cpu_linear="onednn")
+    model = build(encoderstack.EncoderStackForMaskedLM, cpu_kernels="onednn")
     with torch.no_grad():
         fast = model(**batch()).logits
     assert len(onednn_calls) == projections(model) > 0  # the tied decoder too
@@ -43,7 +45,7 @@ def test_float32_inference_runs_every_projection_through_onednn_with_f_linear_s_
 
 
 def test_inference_runs_exact_gelu_in_the_up_projection_s_gemm_with_torch_s_numbers(onednn_calls):
-    model = build(encoderstack.EncoderStackModel, hidden_act="gelu", cpu_linear="onednn")
+    model = build(encoderstack.EncoderStackModel, hidden_act="gelu", cpu_kernels="onednn")
     with torch.no_grad():
         fused = model(**batch()).last_hidden_state
     assert onednn_calls.count("gelu") == model.config.num_hidden_layers
@@ -65,7 +67,7 @@ def test_training_runs_every_projection_s_three_gemms_through_onednn_with_f_line
     onednn_calls, monkeypatch
 ):
     # eval: no dropout, the same graph twice
-    model = build(encoderstack.EncoderStackForSequenceClassification, cpu_linear="onednn")
+    model = build(encoderstack.EncoderStackForSequenceClassification, cpu_kernels="onednn")
     expected = gradients(model, monkeypatch, onednn=False)
     assert onednn_calls == []
     actual = gradients(model, monkeypatch, onednn=True)
@@ -77,7 +79,7 @@ def test_training_runs_every_projection_s_three_gemms_through_onednn_with_f_line
 
 
 def test_frozen_weights_with_a_recorded_input_get_the_input_gradient_alone(onednn_calls, monkeypatch):
-    model = build(encoderstack.EncoderStackModel, cpu_linear="onednn").requires_grad_(False)
+    model = build(encoderstack.EncoderStackModel, cpu_kernels="onednn").requires_grad_(False)
     embeds = torch.randn(2, 5, model.config.hidden_size, requires_grad=True)
     model(inputs_embeds=embeds).last_hidden_state.sum().backward()
     projections_run = len(onednn_calls) // 2
@@ -93,29 +95,39 @@ def test_float32_keeps_the_reference_classes_kernels_by_default_and_switches_on_
     model = build(encoderstack.EncoderStackModel)
     with torch.no_grad():
         plain = model(**batch()).last_hidden_state
-    assert model.config.cpu_linear == "torch" and onednn_calls == []
-    model.set_cpu_linear("onednn")
+    assert model.config.cpu_kernels == "torch" and onednn_calls == []
+    model.set_cpu_kernels("onednn")
     with torch.no_grad():
         fast = model(**batch()).last_hidden_state
     assert len(onednn_calls) == projections(model)
     torch.testing.assert_close(fast, plain, atol=1e-5, rtol=0)
-    model.set_cpu_linear("torch")
+    model.set_cpu_kernels("torch")
     with torch.no_grad():
         assert torch.equal(model(**batch()).last_hidden_state, plain)
     assert len(onednn_calls) == projections(model)
-    with pytest.raises(ValueError, match='`cpu_linear` must be "torch" or "onednn", got \'mkl\''):
-        model.set_cpu_linear("mkl")
+    with pytest.raises(ValueError, match='`cpu_kernels` must be "torch" or "onednn", got \'mkl\''):
+        model.set_cpu_kernels("mkl")
 
 
 def test_the_choice_is_saved_with_the_config_and_given_at_load(tmp_path):
-    build(encoderstack.EncoderStackModel, cpu_linear="onednn").save_pretrained(tmp_path)
+    build(encoderstack.EncoderStackModel, cpu_kernels="onednn").save_pretrained(tmp_path)
     assert encoderstack.EncoderStackModel.from_pretrained(tmp_path).layers[0].mlp.up.float32_in_onednn
-    loaded = encoderstack.EncoderStackModel.from_pretrained(tmp_path, cpu_linear="torch")
+    loaded = encoderstack.EncoderStackModel.from_pretrained(tmp_path, cpu_kernels="torch")
     assert not loaded.layers[0].mlp.up.float32_in_onednn
 
 
+def test_a_config_saved_with_the_field_s_earlier_name_cpu_linear_loads_its_choice(tmp_path):
+    build(encoderstack.EncoderStackModel).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    del saved["cpu_kernels"]
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "cpu_linear": "onednn"}))
+    loaded = encoderstack.EncoderStackModel.from_pretrained(tmp_path)
+    assert loaded.config.cpu_kernels == "onednn" and loaded.layers[0].mlp.up.float32_in_onednn
+    assert "cpu_linear" not in loaded.config.to_dict()
+
+
 def test_autocast_keeps_f_linear(onednn_calls):
-    model = build(encoderstack.EncoderStackModel, cpu_linear="onednn")
+    model = build(encoderstack.EncoderStackModel, cpu_kernels="onednn")
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert model(**batch()).pooler_output.dtype == torch.bfloat16  # a linear and tanh: autocast ran it
     assert onednn_calls == []
@@ -131,7 +143,7 @@ def test_bfloat16_weights_run_in_onednn_exactly_where_the_cpu_has_native_bf16(on
 
 
 def test_a_compiled_model_keeps_f_linear(onednn_calls):
-    model = build(encoderstack.EncoderStackModel, cpu_linear="onednn")
+    model = build(encoderstack.EncoderStackModel, cpu_kernels="onednn")
     compiled = torch.compile(model, backend="eager", fullgraph=False)
     with torch.no_grad():
         compiled(**batch())
