@@ -285,22 +285,28 @@ def test_fused_attention_leaves_to_sdpa_what_it_cannot_compute(fused_only, monke
     assert fused_only == [query.shape] * 3
 
 
-def test_each_shape_compiles_once_a_packed_row_s_sequences_share_their_length_s_graph_and_few_are_kept(
+def test_a_graph_compiles_once_per_32_tokens_of_length_serves_every_sequence_there_and_few_are_kept(
     fused_only, monkeypatch
 ):
     monkeypatch.setattr(execution_encoderstack, "fused_graphs", type(execution_encoderstack.fused_graphs)())
     monkeypatch.setattr(execution_encoderstack, "FUSED_GRAPHS_KEPT", 2)
     traced = []
     trace = torch.jit.trace
-    monkeypatch.setattr(
-        torch.jit, "trace", lambda *args, **kwargs: traced.append(args[1][0].shape) or trace(*args, **kwargs)
-    )
-    query, key, value = qkv(1, 70, torch.float32)  # a packed row: sequences of 30, 30 and 10 tokens
+
+    def counted(module, inputs, **kwargs):
+        traced.append((inputs[0].shape[2], len(inputs) == 4))  # the padded length, masked
+        return trace(module, inputs, **kwargs)
+
+    monkeypatch.setattr(torch.jit, "trace", counted)
+    query, key, value = qkv(1, 250, torch.float32)  # a packed row
+    start = 0
     with torch.no_grad():
-        for length, start in ((30, 0), (30, 30), (10, 60), (30, 0)):
+        for length in (30, 30, 10, 40, 64, 30):
             piece = slice(start, start + length)
             fused_attention(ENCODER, query[:, :, piece], key[:, :, piece], value[:, :, piece], None, scaling=1.0)
-    assert [shape[2] for shape in traced] == [30, 10]
+            start += length
+    # 30 and 10 share the masked 32; 40 pads to 64 (masked), 64 needs no mask; keeping two, 30's was dropped
+    assert traced == [(32, True), (64, True), (64, False), (32, True)]
     assert len(execution_encoderstack.fused_graphs) == 2 and fused_only == []
 
 
@@ -332,7 +338,7 @@ def test_fused_attention_gives_eager_attention_s_numbers_for_every_layout_in_any
     wrong layout first would make every later one wrong, so the cases run shuffled, in one process."""
     generator = torch.Generator().manual_seed(3)
     cases = []
-    for dtype, rows, heads, length in itertools.product((torch.float32, torch.bfloat16), (1, 3), (1, 4), (9, 70)):
+    for dtype, rows, heads, length in itertools.product((torch.float32, torch.bfloat16), (1, 3), (1, 4), (9, 64)):
         for layout, (query, key, value) in layouts(rows, heads, length, dtype, generator).items():
             count = query.shape[0]
             masks = {
@@ -349,7 +355,7 @@ def test_fused_attention_gives_eager_attention_s_numbers_for_every_layout_in_any
         exact = eager(query, key, value, mask)
         with torch.no_grad():
             context = fused_attention(ENCODER, query, key, value, mask, scaling=HEAD_DIM**-0.5)[0]
-        # bf16: each probability rounded to 8 bits, then summed over up to 70 values of unit size
+        # bf16: each probability rounded to 8 bits, then summed over up to 64 values of unit size
         tolerance = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(context.double(), exact, atol=tolerance, rtol=0, msg=f"{dtype}, {layout}")
     assert fused_only == []

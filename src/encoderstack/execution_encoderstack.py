@@ -9,6 +9,7 @@ only): `save_pretrained` copies it, as the modeling file's relative import, for 
 
 import dataclasses
 import inspect
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -152,10 +153,12 @@ def gemm_attention(module, query, key, value, attention_mask, scaling=None, drop
 # TorchScript's oneDNN Graph fuser compiles softmax(q k^T * scaling + mask) v into oneDNN's fused attention kernel
 # (the kind OpenVINO's CPU plugin runs): torch's only route to it. TorchScript is deprecated; where a torch has dropped
 # the fuser, ONEDNN_GRAPH is False and the plan keeps the kernels above. Below FUSED_MIN_KEYS keys SDPA is as fast
-# (1.0x on 16-32 keys, fused 1.7x faster on 64, 2.1x on 128). Each compiled shape holds ~1 MB and took 15-50 ms to
-# compile; FUSED_GRAPHS_KEPT bounds them (the per-sequence path compiles one per sequence length).
+# (1.0x on 16-32 keys, fused 1.7x faster on 64, 2.1x on 128). A graph is compiled per shape (8-50 ms) and holds
+# ~2 MB: one per length would hold ~0.9 GB for the lengths 65-512, so lengths are padded to FUSED_LENGTH_MULTIPLE
+# (the padded keys masked: 1.2-1.5x slower than the exact length, still 1.0-2.1x SDPA), and FUSED_GRAPHS_KEPT bound
+# what is kept.
 ONEDNN_GRAPH = ONEDNN_LINEAR and hasattr(torch.jit, "enable_onednn_fusion")
-FUSED_MIN_KEYS, FUSED_GRAPHS_KEPT = 64, 256
+FUSED_MIN_KEYS, FUSED_LENGTH_MULTIPLE, FUSED_GRAPHS_KEPT = 64, 32, 64
 
 
 class ScaledDotProduct(nn.Module):
@@ -180,38 +183,48 @@ def fused_graph(inputs: tuple, scaling: float):
     three), compiled on first use; None where oneDNN Graph fused nothing (TorchScript's unfused graph would run, slower
     than SDPA)."""
     key = (scaling, *((x.shape, x.stride(), x.dtype) for x in inputs))
-    if key in fused_graphs:
-        fused_graphs.move_to_end(key)
-        return fused_graphs[key]
+    if key not in fused_graphs:
+        with compiling:
+            if key not in fused_graphs:
+                fused_graphs[key] = compile_fused_graph(inputs, scaling)
+                if len(fused_graphs) > FUSED_GRAPHS_KEPT:
+                    fused_graphs.popitem(last=False)
+    fused_graphs.move_to_end(key)
+    return fused_graphs[key]
+
+
+compiling = threading.Lock()  # the fuser's switch is global: one graph compiles at a time
+
+
+def compile_fused_graph(inputs: tuple, scaling: float):
     enabled = torch.jit.onednn_fusion_enabled()
-    torch.jit.enable_onednn_fusion(True)  # a global switch: on only while this graph is traced and optimized
+    torch.jit.enable_onednn_fusion(True)  # on only while this graph is traced and optimized
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript's; see ONEDNN_GRAPH
             graph = torch.jit.freeze(torch.jit.trace(ScaledDotProduct(scaling).eval(), inputs, check_trace=False))
-        fused = False
         for _ in range(3):  # a profiling run, then the optimized graph
             graph(*inputs)
-            fused = "prim::oneDNNFusionGroup" in str(torch.jit.last_executed_optimized_graph())
-            if fused:
-                break
+            if "prim::oneDNNFusionGroup" in str(torch.jit.last_executed_optimized_graph()):
+                return graph
+        return None
     finally:
         torch.jit.enable_onednn_fusion(enabled)
-    fused_graphs[key] = graph if fused else None
-    if len(fused_graphs) > FUSED_GRAPHS_KEPT:
-        fused_graphs.popitem(last=False)
-    return fused_graphs[key]
 
 
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`mask` (transformers' boolean mask, True attends, or an additive one) as a dense additive mask in `dtype`,
-    every dimension it only broadcasts (stride 0) narrowed to one."""
+def fused_mask(mask: torch.Tensor | None, length: int, padding: int, dtype: torch.dtype) -> torch.Tensor:
+    """`mask` (transformers' boolean mask, True attends, an additive one, or None: nothing masked) as a dense additive
+    mask in `dtype` over `padding` more keys, which it masks, and as many more queries (rows that are dropped); every
+    dimension it only broadcasts (stride 0) narrowed to one."""
+    if mask is None:
+        mask = torch.zeros(1, 1, 1, length, dtype=dtype)
     mask = mask[
         tuple(slice(0, 1) if not step and size > 1 else slice(None) for size, step in zip(mask.shape, mask.stride()))
     ]
     if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
-    return mask.to(dtype).contiguous()
+        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+    mask = nn.functional.pad(mask.to(dtype), (0, padding), value=torch.finfo(dtype).min)
+    return nn.functional.pad(mask, (0, 0, 0, padding)) if mask.shape[-2] > 1 else mask.contiguous()
 
 
 def unambiguous(x: torch.Tensor) -> torch.Tensor:
@@ -227,11 +240,10 @@ def fused_attention(module, query, key, value, attention_mask, scaling=None, dro
     1.5-3x `gemm_attention` in bf16 on all-MiniLM-L6-v2's shapes, with `gemm_attention`'s numbers in bf16 (each score
     rounded to bf16 once). The plan's kernel where nothing is recorded for autograd (`attention_kernel`); SDPA runs
     where autograd records, with dropout, below FUSED_MIN_KEYS keys, under a tracer, and where nothing fused."""
-    graph, scaling = None, query.shape[-1] ** -0.5 if scaling is None else scaling
-    inputs = (query, key, value)
+    graph, scaling, length = None, query.shape[-1] ** -0.5 if scaling is None else scaling, key.shape[2]
     if not (
         dropout
-        or key.shape[2] < FUSED_MIN_KEYS
+        or length < FUSED_MIN_KEYS
         or query.device.type != "cpu"
         or (
             torch.is_grad_enabled()
@@ -240,8 +252,11 @@ def fused_attention(module, query, key, value, attention_mask, scaling=None, dro
         or torch.jit.is_tracing()
         or torch.compiler.is_compiling()
     ):
-        if attention_mask is not None:
-            inputs += (additive_mask(attention_mask, query.dtype),)
+        padding, inputs = -length % FUSED_LENGTH_MULTIPLE, (query, key, value)
+        if padding:
+            inputs = tuple(nn.functional.pad(x, (0, 0, 0, padding)) for x in inputs)
+        if padding or attention_mask is not None:
+            inputs += (fused_mask(attention_mask, length, padding, query.dtype),)
         inputs = tuple(unambiguous(x) for x in inputs)
         with torch.autocast("cpu", enabled=False):  # the projections gave bf16 already; TorchScript traces no autocast
             graph = fused_graph(inputs, scaling)
@@ -250,7 +265,7 @@ def fused_attention(module, query, key, value, attention_mask, scaling=None, dro
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, is_causal=False
         )
     with torch.autocast("cpu", enabled=False):
-        return graph(*inputs).transpose(1, 2), None
+        return graph(*inputs)[:, :, :length].transpose(1, 2), None
 
 
 VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # transformers' names
