@@ -184,7 +184,7 @@ def fused_graph(inputs: tuple, scaling: float):
     than SDPA)."""
     key = (scaling, *((x.shape, x.stride(), x.dtype) for x in inputs))
     if key not in fused_graphs:
-        with compiling:
+        with compile_lock:
             if key not in fused_graphs:
                 fused_graphs[key] = compile_fused_graph(inputs, scaling)
                 if len(fused_graphs) > FUSED_GRAPHS_KEPT:
@@ -193,10 +193,11 @@ def fused_graph(inputs: tuple, scaling: float):
     return fused_graphs[key]
 
 
-compiling = threading.Lock()  # the fuser's switch is global: one graph compiles at a time
+compile_lock = threading.Lock()  # the fuser's switch is global: one graph compiles at a time
 
 
 def compile_fused_graph(inputs: tuple, scaling: float):
+    """`ScaledDotProduct` traced, frozen and run until TorchScript has optimized it; None if nothing fused."""
     enabled = torch.jit.onednn_fusion_enabled()
     torch.jit.enable_onednn_fusion(True)  # on only while this graph is traced and optimized
     try:
@@ -221,10 +222,13 @@ def fused_mask(mask: torch.Tensor | None, length: int, padding: int, dtype: torc
     mask = mask[
         tuple(slice(0, 1) if not step and size > 1 else slice(None) for size, step in zip(mask.shape, mask.stride()))
     ]
-    if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
-    mask = nn.functional.pad(mask.to(dtype), (0, padding), value=torch.finfo(dtype).min)
-    return nn.functional.pad(mask, (0, 0, 0, padding)) if mask.shape[-2] > 1 else mask.contiguous()
+    lowest = torch.finfo(dtype).min
+    mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, lowest) if mask.dtype == torch.bool else mask
+    if padding:
+        mask = nn.functional.pad(mask.to(dtype), (0, padding), value=lowest)
+        if mask.shape[-2] > 1:  # one row per query
+            mask = nn.functional.pad(mask, (0, 0, 0, padding))
+    return mask.to(dtype).contiguous()
 
 
 def unambiguous(x: torch.Tensor) -> torch.Tensor:
