@@ -3,13 +3,19 @@ kernel, `gemm_attention`, torch's SDPA), same process, interleaved: an inference
 with `cpu_kernels="onednn"`, and a training step (forward, backward, AdamW) of masked LM and sequence classification in
 float32 weights under bf16 autocast (`Trainer(bf16=True)`), padding-free and padded.
 
-    python benchmarks/cpu_attention.py --threads 2            # minilm, 32x128 and 8x512 (~10 minutes)
+    python benchmarks/cpu_attention.py --threads 2            # minilm, 32x128 and 8x512 (~6 minutes)
+    python benchmarks/cpu_attention.py --threads 2 --layer    # one layer's attention alone, each kernel (~1 minute)
     python benchmarks/cpu_attention.py --quick                # minilm, 32x128, 3 rounds
 """
+
+from types import SimpleNamespace
 
 import common
 import torch
 from common import encoderstack, transformers
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+plan = encoderstack.execution_encoderstack
 
 KERNELS = tuple(common.CPU_ATTENTION)
 TASKS = {  # task -> the reference's class, ours, the kernels the plan may pick there
@@ -37,8 +43,47 @@ def run(model, batch, kernel, padding_free, training, optimizer):
         optimizer.step()
 
 
+def layer_rows(spec, sizes, iterations) -> list:
+    """One layer's attention alone: each kernel this CPU and torch can run on the same queries, keys and values (the
+    model's heads and head size, in a layer's layout), in inference, no mask; also single sequences of 64 to 256
+    tokens, as the per-sequence path calls it."""
+    config, rows = common.bert_config(spec), []
+    heads, dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    layer = SimpleNamespace(is_causal=False, training=False)
+    shapes = [*sizes, *((1, length) for length in (64, 80, 96, 112, 128, 256))]
+    for dtype in (torch.bfloat16, torch.float32):
+        kernels = {"SDPA": sdpa_attention_forward, "GEMMs": plan.gemm_attention, "fused": plan.fused_attention}
+        runs = {
+            "SDPA",
+            *(["GEMMs"] if dtype == torch.bfloat16 and plan.BF16_GEMMS else []),
+            *(["fused"] if plan.ONEDNN_GRAPH else []),
+        }
+        for batch_size, length in shapes:
+            query, key, value = (
+                torch.randn(batch_size, length, heads, dim).to(dtype).transpose(1, 2) for _ in range(3)
+            )
+            variants = {
+                name: (lambda f=kernel: f(layer, query, key, value, None, scaling=dim**-0.5))
+                for name, kernel in kernels.items()
+                if name in runs
+            }
+            with torch.inference_mode():
+                seconds, _ = common.interleave(variants, iterations, "cpu", peak_size=64)
+            rows.append(
+                [
+                    common.model_name(spec),
+                    str(dtype).removeprefix("torch."),
+                    f"{batch_size}x{length}",
+                    *(f"{seconds[k] * 1e3:.3f} ms" if k in seconds else "-" for k in KERNELS),
+                    *(f"{seconds['SDPA'] / seconds[k]:.2f}" if k in seconds else "-" for k in KERNELS[1:]),
+                ]
+            )
+    return rows
+
+
 def main():
     parser = common.common_arguments(__doc__.splitlines()[0], sizes="32x128,8x512", models="minilm")
+    parser.add_argument("--layer", action="store_true", help="one layer's attention alone, each kernel")
     args = parser.parse_args()
     if args.quick:
         args.models, args.sizes = "minilm", args.sizes.split(",")[0]
@@ -47,8 +92,15 @@ def main():
     iterations = args.iterations or (3 if args.quick else 5)
     common.setup(args)
     common.header("attention on the CPU (inference: bf16 or float32 weights; steps: bf16 autocast)", args.device)
-    plan = encoderstack.execution_encoderstack
     print(f"native bf16 GEMMs on this CPU: {plan.BF16_GEMMS}; oneDNN Graph in this torch: {plan.ONEDNN_GRAPH}")
+    speedups = [f"{kernel} x SDPA" for kernel in KERNELS[1:]]
+    if args.layer:
+        sizes = common.parse_sizes(args.sizes)
+        rows = [row for spec in common.parse_models(args.models) for row in layer_rows(spec, sizes, iterations)]
+        print(f"{iterations} interleaved rounds per cell, medians; 'x SDPA': SDPA's time / the kernel's")
+        common.print_table(rows, ["model", "dtype", "shape", *KERNELS, *speedups])
+        print(f"reproduce: {common.command_line()}")
+        return
     tokenizer, rows = common.tokenizer(), []
     for spec in common.parse_models(args.models):
         for task, (bert_class, ours_class, kernels) in TASKS.items():
@@ -96,7 +148,6 @@ def main():
     print(
         f"{iterations} interleaved rounds per cell, medians; 'x SDPA': SDPA's time / the kernel's; '-': not run there"
     )
-    speedups = [f"{kernel} x SDPA" for kernel in KERNELS[1:]]
     common.print_table(rows, ["model", "task", "batch", "lengths", "path", *KERNELS, *speedups])
     print(f"reproduce: {common.command_line()}")
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import tiny_config
 
+import encoderstack
+
 ROOT = Path(__file__).resolve().parent.parent
 BERT_FIELDS = (
     "vocab_size",
@@ -78,6 +80,16 @@ def test_the_benchmark_runs_on_a_tiny_model_and_prints_its_table_and_the_command
     lines = result.stdout.splitlines()
     assert any(line.startswith("model ") for line in lines), result.stdout
     assert lines[-1].startswith(f"reproduce: python benchmarks/{script} --models"), lines[-1]
+
+
+def test_cpu_attention_s_layer_table_times_each_kernel_this_cpu_and_torch_can_run():
+    result = run_script("cpu_attention.py", *ONE_ROUND, "--sizes", "2x16", "--layer")
+    rows = [line.split() for line in result.stdout.splitlines() if line.split()[1:2] in (["bfloat16"], ["float32"])]
+    assert len(rows) == 14, result.stdout  # 2x16 and single sequences of 64 to 256 tokens, in bf16 and float32
+    plan = encoderstack.execution_encoderstack
+    for row in rows:
+        gemms = plan.BF16_GEMMS and row[1] == "bfloat16"
+        assert row.count("ms") == 1 + gemms + plan.ONEDNN_GRAPH, row  # SDPA's time, and each other kernel's
 
 
 def run_gpu_check(*arguments):

@@ -96,6 +96,7 @@ def kernel_calls(monkeypatch):
     monkeypatch.setattr(execution_encoderstack, "BF16_GEMMS", True)
     monkeypatch.setattr(execution_encoderstack, "GEMM_MIN_KEYS", 1)
     monkeypatch.setattr(execution_encoderstack, "FUSED_MIN_KEYS", 1)
+    monkeypatch.setattr(execution_encoderstack, "FUSED_MIN_PADDED_KEYS", 1)
     calls = []
     for name, kernel in ((GEMM_ATTENTION, gemm_attention), (FUSED_ATTENTION, fused_attention)):
 
@@ -234,6 +235,7 @@ def test_the_plan_names_the_kernels_only_where_the_cpu_has_native_bf16_gemms():
 def fused_only(monkeypatch):
     """`fused_attention` on every length, and SDPA (its fallback) counted: the calls that fell back."""
     monkeypatch.setattr(execution_encoderstack, "FUSED_MIN_KEYS", 1)
+    monkeypatch.setattr(execution_encoderstack, "FUSED_MIN_PADDED_KEYS", 1)
     fallbacks = []
 
     def counted(*args, **kwargs):
@@ -271,18 +273,22 @@ def test_fused_bf16_attention_s_error_is_no_larger_than_eager_bf16_attention_s(l
     assert fused_only == [] and error["fused"] <= error["eager"], error
 
 
-def test_fused_attention_leaves_to_sdpa_what_it_cannot_compute(fused_only, monkeypatch):
-    """Autograd (the fused graph has no backward), dropout, and keys below FUSED_MIN_KEYS (SDPA is as fast)."""
+def test_fused_attention_leaves_to_sdpa_what_it_cannot_compute_or_would_not_gain_on(fused_only, monkeypatch):
+    """Autograd (the fused graph has no backward), dropout, and short sequences: under FUSED_MIN_KEYS keys, or under
+    FUSED_MIN_PADDED_KEYS where the length needs padding to a multiple of 32 (SDPA is as fast or faster there)."""
     query, key, value = qkv(2, 70, torch.float32)
     training = SimpleNamespace(is_causal=False, training=True)
     fused_attention(training, query, key, value, None, scaling=1.0, dropout=0.1)
     leaf = query.detach().requires_grad_()
     fused_attention(ENCODER, leaf, key, value, None, scaling=1.0)[0].sum().backward()
     assert leaf.grad is not None
-    monkeypatch.setattr(execution_encoderstack, "FUSED_MIN_KEYS", 71)
+    monkeypatch.setattr(execution_encoderstack, "FUSED_MIN_KEYS", 65)
+    monkeypatch.setattr(execution_encoderstack, "FUSED_MIN_PADDED_KEYS", 71)
     with torch.no_grad():
-        fused_attention(ENCODER, query, key, value, None, scaling=1.0)
-    assert fused_only == [query.shape] * 3
+        fused_attention(ENCODER, query, key, value, None, scaling=1.0)  # 70: padded to 96, under 71
+        fused_attention(ENCODER, *(x[:, :, :64] for x in (query, key, value)), None, scaling=1.0)  # 64: under 65
+        fused_attention(ENCODER, *(x[:, :, :96] for x in qkv(2, 96, torch.float32)), None, scaling=1.0)  # fused
+    assert fused_only == [query.shape] * 3 + [query[:, :, :64].shape]
 
 
 def test_a_graph_compiles_once_per_32_tokens_of_length_serves_every_sequence_there_and_few_are_kept(

@@ -152,13 +152,15 @@ def gemm_attention(module, query, key, value, attention_mask, scaling=None, drop
 
 # TorchScript's oneDNN Graph fuser compiles softmax(q k^T * scaling + mask) v into oneDNN's fused attention kernel
 # (the kind OpenVINO's CPU plugin runs): torch's only route to it. TorchScript is deprecated; where a torch has dropped
-# the fuser, ONEDNN_GRAPH is False and the plan keeps the kernels above. Below FUSED_MIN_KEYS keys SDPA is as fast
-# (1.0x on 16-32 keys, fused 1.7x faster on 64, 2.1x on 128). A graph is compiled per shape (8-50 ms) and holds
-# ~2 MB: one per length would hold ~0.9 GB for the lengths 65-512, so lengths are padded to FUSED_LENGTH_MULTIPLE
-# (the padded keys masked: 1.2-1.5x slower than the exact length, still 1.0-2.1x SDPA), and FUSED_GRAPHS_KEPT bound
-# what is kept.
+# the fuser, ONEDNN_GRAPH is False and the plan keeps the kernels above. A graph is compiled per shape (8-50 ms) and
+# holds ~2 MB: one per length would hold ~0.9 GB for the lengths 65-512, so lengths are padded to
+# FUSED_LENGTH_MULTIPLE (the padded keys masked) and FUSED_GRAPHS_KEPT bound what is kept. The padding costs short
+# sequences what they gain: one sequence of 12 heads of 32 ran 0.84-0.87x SDPA on 80 tokens (padded to 96),
+# 1.09-1.11x on 112 (padded to 128), 1.4x on 96 and 1.7-1.85x on 128 (no padding), 0.93-1.15x on 64
+# (docs/benchmarks/cpu-attention-layer-2threads.txt). Hence FUSED_MIN_KEYS, and FUSED_MIN_PADDED_KEYS where the
+# length needs padding.
 ONEDNN_GRAPH = ONEDNN_LINEAR and hasattr(torch.jit, "enable_onednn_fusion")
-FUSED_MIN_KEYS, FUSED_LENGTH_MULTIPLE, FUSED_GRAPHS_KEPT = 64, 32, 64
+FUSED_MIN_KEYS, FUSED_MIN_PADDED_KEYS, FUSED_LENGTH_MULTIPLE, FUSED_GRAPHS_KEPT = 64, 96, 32, 64
 
 
 class ScaledDotProduct(nn.Module):
@@ -243,11 +245,13 @@ def fused_attention(module, query, key, value, attention_mask, scaling=None, dro
     """Attention as one oneDNN Graph kernel (see `ONEDNN_GRAPH`), in inference: 2.2-2.5x SDPA in float32 and
     1.5-3x `gemm_attention` in bf16 on all-MiniLM-L6-v2's shapes, with `gemm_attention`'s numbers in bf16 (each score
     rounded to bf16 once). The plan's kernel where nothing is recorded for autograd (`attention_kernel`); SDPA runs
-    where autograd records, with dropout, below FUSED_MIN_KEYS keys, under a tracer, and where nothing fused."""
+    where autograd records, with dropout, on short sequences (FUSED_MIN_KEYS), under a tracer, and where nothing
+    fused."""
     graph, scaling, length = None, query.shape[-1] ** -0.5 if scaling is None else scaling, key.shape[2]
+    padding = -length % FUSED_LENGTH_MULTIPLE
     if not (
         dropout
-        or length < FUSED_MIN_KEYS
+        or length < (FUSED_MIN_PADDED_KEYS if padding else FUSED_MIN_KEYS)
         or query.device.type != "cpu"
         or (
             torch.is_grad_enabled()
@@ -256,7 +260,7 @@ def fused_attention(module, query, key, value, attention_mask, scaling=None, dro
         or torch.jit.is_tracing()
         or torch.compiler.is_compiling()
     ):
-        padding, inputs = -length % FUSED_LENGTH_MULTIPLE, (query, key, value)
+        inputs = (query, key, value)
         if padding:
             inputs = tuple(nn.functional.pad(x, (0, 0, 0, padding)) for x in inputs)
         if padding or attention_mask is not None:
