@@ -291,6 +291,24 @@ def test_fused_attention_leaves_to_sdpa_what_it_cannot_compute_or_would_not_gain
     assert fused_only == [query.shape] * 3 + [query[:, :, :64].shape]
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native bf16 GEMMs", "no native bf16 GEMMs"])
+def test_in_bf16_what_the_fused_kernel_leaves_runs_as_gemms_where_the_cpu_has_them(native, monkeypatch):
+    monkeypatch.setattr(execution_encoderstack, "BF16_GEMMS", native)
+    calls = []
+    for name, kernel in (("gemm_attention", gemm_attention), ("sdpa_attention_forward", sdpa_attention_forward)):
+
+        def counted(*args, name=name, kernel=kernel, **kwargs):
+            calls.append(name)
+            return kernel(*args, **kwargs)
+
+        monkeypatch.setattr(execution_encoderstack, name, counted)
+    query, key, value = qkv(2, 70, torch.bfloat16)  # padded to 96, under FUSED_MIN_PADDED_KEYS
+    with torch.no_grad():
+        context = fused_attention(ENCODER, query, key, value, None, scaling=HEAD_DIM**-0.5)[0]
+    assert calls[0] == ("gemm_attention" if native else "sdpa_attention_forward")
+    torch.testing.assert_close(context.double(), eager(query, key, value, None), atol=3e-2, rtol=0)
+
+
 def test_a_graph_compiles_once_per_32_tokens_of_length_serves_every_sequence_there_and_few_are_kept(
     fused_only, monkeypatch
 ):

@@ -310,7 +310,7 @@ class EncoderStackConfig(PreTrainedConfig):
         Which library runs float32 on the CPU: `"torch"` (its linear, MKL's GEMM, and its SDPA kernel: the reference
         classes' own kernels, so a converted model gives their numbers) or `"onednn"` (oneDNN: projections with exact
         GELU fused into the up-projection, 2x faster on an AMD EPYC with AVX-512, 1.15x on Intel cores; and in
-        inference attention as one oneDNN Graph kernel, 2.2-2.5x SDPA; other reduction orders, ~1e-5 from the
+        inference attention as one oneDNN Graph kernel, 1.7-2.0x SDPA per layer; other reduction orders, ~1e-5 from the
         reference on a bert-large-sized model). bf16 runs in oneDNN either way where the CPU has native bf16. Change
         it on a built model with `model.set_cpu_kernels(...)`. (`cpu_linear`, its name before, is read as it.)
     prediction_head_size (`int`, *optional*):
