@@ -178,6 +178,7 @@ class ScaledDotProduct(nn.Module):
 
 
 fused_graphs: OrderedDict = OrderedDict()  # (scaling, each input's shape, strides and dtype) -> graph or None
+compile_lock = threading.Lock()  # the fuser's switch is global: one graph compiles at a time
 
 
 def fused_graph(inputs: tuple, scaling: float):
@@ -193,9 +194,6 @@ def fused_graph(inputs: tuple, scaling: float):
                     fused_graphs.popitem(last=False)
     fused_graphs.move_to_end(key)
     return fused_graphs[key]
-
-
-compile_lock = threading.Lock()  # the fuser's switch is global: one graph compiles at a time
 
 
 def compile_fused_graph(inputs: tuple, scaling: float):
@@ -225,12 +223,14 @@ def fused_mask(mask: torch.Tensor | None, length: int, padding: int, dtype: torc
         tuple(slice(0, 1) if not step and size > 1 else slice(None) for size, step in zip(mask.shape, mask.stride()))
     ]
     lowest = torch.finfo(dtype).min
-    mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, lowest) if mask.dtype == torch.bool else mask
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, lowest)
+    mask = mask.to(dtype)
     if padding:
-        mask = nn.functional.pad(mask.to(dtype), (0, padding), value=lowest)
+        mask = nn.functional.pad(mask, (0, padding), value=lowest)
         if mask.shape[-2] > 1:  # one row per query
             mask = nn.functional.pad(mask, (0, 0, 0, padding))
-    return mask.to(dtype).contiguous()
+    return mask.contiguous()
 
 
 def unambiguous(x: torch.Tensor) -> torch.Tensor:
@@ -805,15 +805,15 @@ FLASH_ATTENTION, BANDED_ATTENTION = "encoderstack_flash", "encoderstack_banded"
 GEMM_ATTENTION, FUSED_ATTENTION = "encoderstack_gemm", "encoderstack_fused"
 AttentionInterface.register(GEMM_ATTENTION, gemm_attention)
 AttentionInterface.register(FUSED_ATTENTION, fused_attention)
+AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
+AttentionInterface.register(PER_SEQUENCE, per_sequence_attention)
+AttentionInterface.register(FLASH_ATTENTION, flash_attention)
+AttentionInterface.register(BANDED_ATTENTION, banded_attention)
 # what the plan's reason adds where its kernel is not the backend
 KERNEL_REASONS = {
     GEMM_ATTENTION: "bf16 on this CPU: attention as GEMMs",
     FUSED_ATTENTION: "attention fused by oneDNN Graph",
 }
-AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
-AttentionInterface.register(PER_SEQUENCE, per_sequence_attention)
-AttentionInterface.register(FLASH_ATTENTION, flash_attention)
-AttentionInterface.register(BANDED_ATTENTION, banded_attention)
 
 
 def execution_plan(
