@@ -142,7 +142,7 @@ def common_arguments(description, sizes, models):
     )
     parser.add_argument(
         "--cpu-kernels",
-        choices=("torch", "onednn"),
+        choices=encoderstack.configuration_encoderstack.CPU_KERNELS,
         default="torch",
         help="EncoderStack's config.cpu_kernels: the library of its float32 projections and attention on the CPU "
         "(default: torch's)",

@@ -89,6 +89,16 @@ def test_in_bf16_each_score_is_rounded_once_so_the_error_is_no_larger_than_eager
     assert error["fast"] <= error["eager"], error
 
 
+def recording(function, calls, entry):
+    """`function`, appending `entry(*args)` to `calls` before each call."""
+
+    def recorded(*args, **kwargs):
+        calls.append(entry(*args))
+        return function(*args, **kwargs)
+
+    return recorded
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """The kernel, rows and length of every `gemm_attention` and `fused_attention` call, as if the CPU had native bf16
@@ -99,11 +109,7 @@ def kernel_calls(monkeypatch):
     monkeypatch.setattr(execution_encoderstack, "FUSED_MIN_PADDED_KEYS", 1)
     calls = []
     for name, kernel in ((GEMM_ATTENTION, gemm_attention), (FUSED_ATTENTION, fused_attention)):
-
-        def counted(module, query, *args, name=name, kernel=kernel, **kwargs):
-            calls.append((name, query.shape[0], query.shape[2]))
-            return kernel(module, query, *args, **kwargs)
-
+        counted = recording(kernel, calls, lambda module, query, *_, name=name: (name, query.shape[0], query.shape[2]))
         monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, name, counted)
     return calls
 
@@ -237,11 +243,7 @@ def fused_only(monkeypatch):
     monkeypatch.setattr(execution_encoderstack, "FUSED_MIN_KEYS", 1)
     monkeypatch.setattr(execution_encoderstack, "FUSED_MIN_PADDED_KEYS", 1)
     fallbacks = []
-
-    def counted(*args, **kwargs):
-        fallbacks.append(args[1].shape)
-        return sdpa_attention_forward(*args, **kwargs)
-
+    counted = recording(sdpa_attention_forward, fallbacks, lambda module, query, *_: query.shape)
     monkeypatch.setattr(execution_encoderstack, "sdpa_attention_forward", counted)
     return fallbacks
 
@@ -296,12 +298,7 @@ def test_in_bf16_what_the_fused_kernel_leaves_runs_as_gemms_where_the_cpu_has_th
     monkeypatch.setattr(execution_encoderstack, "BF16_GEMMS", native)
     calls = []
     for name, kernel in (("gemm_attention", gemm_attention), ("sdpa_attention_forward", sdpa_attention_forward)):
-
-        def counted(*args, name=name, kernel=kernel, **kwargs):
-            calls.append(name)
-            return kernel(*args, **kwargs)
-
-        monkeypatch.setattr(execution_encoderstack, name, counted)
+        monkeypatch.setattr(execution_encoderstack, name, recording(kernel, calls, lambda *_, name=name: name))
     query, key, value = qkv(2, 70, torch.bfloat16)  # padded to 96, under FUSED_MIN_PADDED_KEYS
     with torch.no_grad():
         context = fused_attention(ENCODER, query, key, value, None, scaling=HEAD_DIM**-0.5)[0]
@@ -315,12 +312,8 @@ def test_a_graph_compiles_once_per_32_tokens_of_length_serves_every_sequence_the
     monkeypatch.setattr(execution_encoderstack, "fused_graphs", type(execution_encoderstack.fused_graphs)())
     monkeypatch.setattr(execution_encoderstack, "FUSED_GRAPHS_KEPT", 2)
     traced = []
-    trace = torch.jit.trace
-
-    def counted(module, inputs, **kwargs):
-        traced.append((inputs[0].shape[2], len(inputs) == 4))  # the padded length, masked
-        return trace(module, inputs, **kwargs)
-
+    # each trace's padded length, and whether it is masked
+    counted = recording(torch.jit.trace, traced, lambda module, inputs: (inputs[0].shape[2], len(inputs) == 4))
     monkeypatch.setattr(torch.jit, "trace", counted)
     query, key, value = qkv(1, 250, torch.float32)  # a packed row
     start = 0

@@ -8,6 +8,7 @@ only): `save_pretrained` copies it, as the modeling file's relative import, for 
 """
 
 import dataclasses
+import functools
 import inspect
 import threading
 import warnings
@@ -102,6 +103,15 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`mask` (transformers' boolean mask, True attends, or an additive one) as an additive mask in `dtype`, every
+    dimension it only broadcasts (stride 0) narrowed to one: a padding mask stays (batch, 1, 1, keys)."""
+    mask = mask[tuple(slice(0, 1) if not step else slice(None) for step in mask.stride())]
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    return mask.to(dtype)
+
+
 # torch's bf16 softmax takes a slow path on rows whose length is not a multiple of 32 (3.5x slower on 80 keys than on
 # 96): `gemm_attention` pads the keys to one. Below GEMM_MIN_KEYS keys SDPA's one call beats three oneDNN calls (1.9x
 # faster on 32 keys, 0.9x on 64). GEMM_SCORES_BYTES: the scores of one GEMM, as many batch rows as fit (a row of 128
@@ -122,9 +132,7 @@ def gemm_attention(module, query, key, value, attention_mask, scaling=None, drop
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, is_causal=False
         )
     lowest = torch.finfo(query.dtype).min
-    mask = query.new_zeros(()) if attention_mask is None else attention_mask
-    if mask.dtype == torch.bool:  # transformers' SDPA mask: True attends
-        mask = torch.zeros_like(mask, dtype=query.dtype).masked_fill_(~mask, lowest)
+    mask = query.new_zeros(()) if attention_mask is None else additive_mask(attention_mask, query.dtype)
     padding = -key.shape[2] % GEMM_KEYS_MULTIPLE
     if padding:  # zero keys and values, masked out
         key, value = (nn.functional.pad(x, (0, 0, 0, padding)) for x in (key, value))
@@ -141,7 +149,7 @@ def gemm_attention(module, query, key, value, attention_mask, scaling=None, drop
     for start in range(0, batch, rows):
         block = slice(start * heads, min(start + rows, batch) * heads)
         out = None if scores is None else scores[: block.stop - block.start]
-        bias = mask if shared else mask[start : start + rows].flatten(0, 1)  # a copy, the size of the scores
+        bias = mask if shared else mask[start : start + rows].flatten(0, 1)  # a copy of these rows' mask
         beta = 1 if bias.dim() else 0  # a 0-d bias is no mask: not adding it made the GEMM 1.2x faster on 512 keys
         weights = torch.baddbmm(bias, query[block], key[block].transpose(1, 2), beta=beta, alpha=scaling, out=out)
         weights = torch.softmax(weights, dim=-1, out=out)
@@ -214,23 +222,23 @@ def compile_fused_graph(inputs: tuple, scaling: float):
 
 
 def fused_mask(mask: torch.Tensor | None, length: int, padding: int, dtype: torch.dtype) -> torch.Tensor:
-    """`mask` (transformers' boolean mask, True attends, an additive one, or None: nothing masked) as a dense additive
-    mask in `dtype` over `padding` more keys, which it masks, and as many more queries (rows that are dropped); every
-    dimension it only broadcasts (stride 0) narrowed to one."""
+    """`mask` (see `additive_mask`; None: nothing masked) as a dense additive mask in `dtype` over `padding` more keys,
+    which it masks, and as many more queries (rows that are dropped)."""
     if mask is None:
-        mask = torch.zeros(1, 1, 1, length, dtype=dtype)
-    mask = mask[
-        tuple(slice(0, 1) if not step and size > 1 else slice(None) for size, step in zip(mask.shape, mask.stride()))
-    ]
-    lowest = torch.finfo(dtype).min
-    if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, lowest)
-    mask = mask.to(dtype)
+        return key_padding_mask(length, padding, dtype)
+    mask = additive_mask(mask, dtype)
     if padding:
-        mask = nn.functional.pad(mask, (0, padding), value=lowest)
+        mask = nn.functional.pad(mask, (0, padding), value=torch.finfo(dtype).min)
         if mask.shape[-2] > 1:  # one row per query
             mask = nn.functional.pad(mask, (0, 0, 0, padding))
     return mask.contiguous()
+
+
+@functools.lru_cache(maxsize=FUSED_GRAPHS_KEPT)
+def key_padding_mask(length: int, padding: int, dtype: torch.dtype) -> torch.Tensor:
+    """(1, 1, 1, length + padding): the padded keys masked; one per padded length, not one per layer and sequence."""
+    with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever mode the first forward ran in
+        return nn.functional.pad(torch.zeros(1, 1, 1, length, dtype=dtype), (0, padding), value=torch.finfo(dtype).min)
 
 
 def unambiguous(x: torch.Tensor) -> torch.Tensor:
@@ -248,8 +256,8 @@ def fused_attention(module, query, key, value, attention_mask, scaling=None, dro
     records, with dropout, on short sequences (FUSED_MIN_KEYS), under a tracer and where nothing fused, the kernel the
     plan would name without it runs: `gemm_attention` in bf16 on a CPU with native bf16 GEMMs (a padded batch of 95
     tokens: 1.26x SDPA), else SDPA."""
-    graph, scaling, length = None, query.shape[-1] ** -0.5 if scaling is None else scaling, key.shape[2]
-    padding = -length % FUSED_LENGTH_MULTIPLE
+    scaling, length = query.shape[-1] ** -0.5 if scaling is None else scaling, key.shape[2]
+    padding, tracing = -length % FUSED_LENGTH_MULTIPLE, torch.jit.is_tracing() or torch.compiler.is_compiling()
     if not (
         dropout
         or length < (FUSED_MIN_PADDED_KEYS if padding else FUSED_MIN_KEYS)
@@ -258,8 +266,7 @@ def fused_attention(module, query, key, value, attention_mask, scaling=None, dro
             torch.is_grad_enabled()
             and any(x.requires_grad for x in (query, key, value, attention_mask) if x is not None)
         )
-        or torch.jit.is_tracing()
-        or torch.compiler.is_compiling()
+        or tracing
     ):
         inputs = (query, key, value)
         if padding:
@@ -269,10 +276,9 @@ def fused_attention(module, query, key, value, attention_mask, scaling=None, dro
         inputs = tuple(unambiguous(x) for x in inputs)
         with torch.autocast("cpu", enabled=False):  # the projections gave bf16 already; TorchScript traces no autocast
             graph = fused_graph(inputs, scaling)
-    if graph is not None:
-        with torch.autocast("cpu", enabled=False):
-            return graph(*inputs)[:, :, :length].transpose(1, 2), None
-    if query.dtype == torch.bfloat16 and BF16_GEMMS and not (torch.jit.is_tracing() or torch.compiler.is_compiling()):
+            if graph is not None:
+                return graph(*inputs)[:, :, :length].transpose(1, 2), None
+    if query.dtype == torch.bfloat16 and BF16_GEMMS and not tracing:
         return gemm_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, is_causal=False
