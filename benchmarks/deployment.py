@@ -1,6 +1,7 @@
 """CPU inference paths: real tokens per second of ONNX Runtime (float32, int8), OpenVINO (float32, bf16, int8),
-BertModel in bfloat16 and EncoderStack in float32 (torch's kernels, and oneDNN's) and bfloat16 (attention fused by
-oneDNN Graph, and in SDPA), as ratios to BertModel-SDPA float32, same process, interleaved.
+BertModel in bfloat16 and EncoderStack in float32 (torch's kernels, oneDNN's, and oneDNN's with prepacked weights) and
+bfloat16 (attention fused by oneDNN Graph, and in SDPA; plain and prepacked weights), as ratios to BertModel-SDPA
+float32, same process, interleaved.
 OpenVINO's precision is pinned per column (`INFERENCE_PRECISION_HINT`): its CPU plugin would otherwise pick bf16 by
 itself on CPUs with AVX-512 BF16 or AMX.
 
@@ -31,16 +32,20 @@ VARIANTS = (
     "BertModel bf16",
     "EncoderStack fp32",
     "EncoderStack fp32 oneDNN",
+    "EncoderStack fp32 prepacked",
     "EncoderStack bf16 SDPA",
     "EncoderStack bf16",
+    "EncoderStack bf16 prepacked",
 )
 WORKLOADS = ("full", "uniform")
 LIMIT_SIZE = 2048  # the side of the square GEMMs that measure the limit (one per library and precision, each cell)
 OF_LIMIT = {  # columns of achieved FLOP/s on real tokens / the best GEMM in that precision
     "EncoderStack fp32": torch.float32,
     "EncoderStack fp32 oneDNN": torch.float32,
+    "EncoderStack fp32 prepacked": torch.float32,
     "OpenVINO fp32": torch.float32,
     "EncoderStack bf16": torch.bfloat16,
+    "EncoderStack bf16 prepacked": torch.bfloat16,
     "OpenVINO bf16": torch.bfloat16,
 }
 
@@ -109,8 +114,10 @@ def main():
             exported = runtimes(Path(scratch), torch.get_num_threads())
             bert, ours = common.with_backend(bert, "sdpa"), common.with_backend(ours, "sdpa")
         bert_bf16, ours_bf16 = (copy.deepcopy(model).to(torch.bfloat16) for model in (bert, ours))
-        ours_onednn = copy.deepcopy(ours)
+        ours_onednn, ours_prepacked, ours_bf16_prepacked = (copy.deepcopy(m) for m in (ours, ours, ours_bf16))
         ours_onednn.set_cpu_kernels("onednn")
+        ours_prepacked.set_cpu_kernels("onednn-prepacked")
+        ours_bf16_prepacked.set_cpu_kernels("onednn-prepacked")
         for batch_size, max_length in common.parse_sizes(args.sizes):
             for workload in WORKLOADS:
                 lengths, width, batch, _ = common.workload_batch(
@@ -122,8 +129,10 @@ def main():
                     "BertModel bf16": lambda: bert_bf16(**batch),
                     "EncoderStack fp32": lambda: ours(**batch),
                     "EncoderStack fp32 oneDNN": lambda: ours_onednn(**batch),
+                    "EncoderStack fp32 prepacked": lambda: ours_prepacked(**batch),
                     "EncoderStack bf16 SDPA": lambda: sdpa_in_bf16(ours_bf16, batch),
                     "EncoderStack bf16": lambda: ours_bf16(**batch),
+                    "EncoderStack bf16 prepacked": lambda: ours_bf16_prepacked(**batch),
                     **{name: (lambda m=model: m(**batch)) for name, model in exported.items()},
                 }
                 with torch.inference_mode():

@@ -35,6 +35,7 @@ RUNS = {
     "flex.py": [*ONE_ROUND, "--sizes", "2x16"],
     "deployment.py": [*ONE_ROUND, "--sizes", "2x16"],
     "cpu_attention.py": [*ONE_ROUND, "--sizes", "2x16"],
+    "prepacked.py": [*ONE_ROUND, "--sizes", "2x16"],
     "sparse_mlm.py": [*ONE_ROUND, "--sizes", "2x16"],
     "families.py": [*ONE_ROUND, "--sizes", "2x16", "--families", "roberta,electra,distilbert,modernbert"],
     "sliding_window.py": [

@@ -1,7 +1,8 @@
 """On the CPU the model's projections run in oneDNN (faster than torch's MKL linear, measured in docs/performance.md):
 in bf16 where the CPU has it, and in float32 where `config.cpu_kernels="onednn"` asks (by default float32 keeps the
 reference classes' own kernels); in inference and in training, with F.linear's numbers within float32's resolution;
-autocast and compilers keep F.linear."""
+autocast and compilers keep F.linear. With "onednn-prepacked" inference reads each weight from a copy in oneDNN's
+layout, kept while the weight is unchanged, with the same numbers."""
 
 import json
 
@@ -105,15 +106,16 @@ def test_float32_keeps_the_reference_classes_kernels_by_default_and_switches_on_
     with torch.no_grad():
         assert torch.equal(model(**batch()).last_hidden_state, plain)
     assert len(onednn_calls) == projections(model)
-    with pytest.raises(ValueError, match='`cpu_kernels` must be "torch" or "onednn", got \'mkl\''):
+    choices = "'torch', 'onednn', 'onednn-prepacked'"
+    with pytest.raises(ValueError, match=f"`cpu_kernels` must be one of {choices}, got 'mkl'"):
         model.set_cpu_kernels("mkl")
 
 
 def test_the_choice_is_saved_with_the_config_and_given_at_load(tmp_path):
     build(encoderstack.EncoderStackModel, cpu_kernels="onednn").save_pretrained(tmp_path)
-    assert encoderstack.EncoderStackModel.from_pretrained(tmp_path).layers[0].mlp.up.float32_in_onednn
+    assert encoderstack.EncoderStackModel.from_pretrained(tmp_path).layers[0].mlp.up.cpu_kernels == "onednn"
     loaded = encoderstack.EncoderStackModel.from_pretrained(tmp_path, cpu_kernels="torch")
-    assert not loaded.layers[0].mlp.up.float32_in_onednn
+    assert loaded.layers[0].mlp.up.cpu_kernels == "torch"
 
 
 def test_a_config_saved_with_the_field_s_earlier_name_cpu_linear_loads_its_choice(tmp_path):
@@ -122,7 +124,7 @@ def test_a_config_saved_with_the_field_s_earlier_name_cpu_linear_loads_its_choic
     del saved["cpu_kernels"]
     (tmp_path / "config.json").write_text(json.dumps({**saved, "cpu_linear": "onednn"}))
     loaded = encoderstack.EncoderStackModel.from_pretrained(tmp_path)
-    assert loaded.config.cpu_kernels == "onednn" and loaded.layers[0].mlp.up.float32_in_onednn
+    assert loaded.config.cpu_kernels == loaded.layers[0].mlp.up.cpu_kernels == "onednn"
     assert "cpu_linear" not in loaded.config.to_dict()
 
 
@@ -148,3 +150,89 @@ def test_a_compiled_model_keeps_f_linear(onednn_calls):
     with torch.no_grad():
         compiled(**batch())
     assert onednn_calls == []
+
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if torch.bfloat16 in execution_encoderstack.ONEDNN_DTYPES else [])
+
+
+def packed_weights_of(model) -> int:
+    linears = (module for module in model.modules() if isinstance(module, encoderstack.modeling_encoderstack.Linear))
+    return sum(module.weight in execution_encoderstack.prepacked_weights for module in linears)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prepacked_weights_give_the_plain_weights_numbers_bit_for_bit(monkeypatch, dtype):
+    model = build(encoderstack.EncoderStackForMaskedLM, cpu_kernels="onednn").to(dtype)
+    read = []
+    monkeypatch.setattr(  # the weight each GEMM reads: plain or oneDNN's blocked copy
+        execution_encoderstack,
+        "onednn_linear",
+        lambda *args: read.append(args[1].is_mkldnn) or torch.ops.mkldnn._linear_pointwise(*args),
+    )
+    with torch.inference_mode():
+        plain = model(**batch()).logits
+        model.set_cpu_kernels("onednn-prepacked")
+        packed = model(**batch()).logits
+    assert read == [False] * projections(model) + [True] * projections(model)
+    assert torch.equal(packed, plain)
+
+
+def test_a_weight_is_packed_once_and_again_only_after_it_changes(monkeypatch):
+    model = build(encoderstack.EncoderStackModel, cpu_kernels="onednn-prepacked")
+    packs, reorder = [], torch.ops.mkldnn._reorder_linear_weight
+
+    def counted(weight):
+        packs.append(weight)
+        return reorder(weight)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", counted)
+    with torch.no_grad():
+        model(**batch())
+        model(**batch())
+    assert len(packs) == packed_weights_of(model) == projections(model)
+    other = build(encoderstack.EncoderStackModel, seed=1)
+    model.load_state_dict(other.state_dict())  # in place: every weight's version moves
+    with torch.no_grad():
+        assert torch.equal(model(**batch()).last_hidden_state, other(**batch()).last_hidden_state)
+    assert len(packs) == 2 * projections(model)
+
+
+def test_new_storage_for_a_weight_is_packed_anew_even_at_the_same_address_and_version():
+    up = build(encoderstack.EncoderStackModel, cpu_kernels="onednn-prepacked").layers[0].mlp.up
+    memory, x = bytearray(up.weight.numel() * up.weight.element_size()), torch.ones(2, up.in_features)
+
+    def storage_on(memory):  # a new storage each call, at the address of `memory`
+        return torch.frombuffer(memory, dtype=up.weight.dtype).view(up.weight.shape)
+
+    with torch.no_grad():
+        storage_on(memory).copy_(up.weight)
+        up.weight.data = storage_on(memory)
+        first = up(x)
+        storage_on(memory).zero_()
+        address, version = up.weight.data_ptr(), up.weight._version
+        up.weight.data = storage_on(memory)  # `.data =` keeps the version; the packed storage is freed
+        assert (up.weight.data_ptr(), up.weight._version) == (address, version)
+        assert torch.equal(up(x), up.bias.expand(2, -1)) and not torch.equal(first, up(x))
+
+
+def test_moving_the_model_or_leaving_prepacked_frees_the_packed_copies():
+    model = build(encoderstack.EncoderStackModel, cpu_kernels="onednn-prepacked")
+    with torch.no_grad():
+        model(**batch())
+    assert packed_weights_of(model) == projections(model)
+    model.double()
+    assert packed_weights_of(model) == 0
+    model.float()
+    with torch.no_grad():
+        model(**batch())
+    model.set_cpu_kernels("onednn")
+    assert packed_weights_of(model) == 0
+
+
+def test_training_with_prepacked_kernels_reads_the_plain_weights_and_packs_nothing(onednn_calls, monkeypatch):
+    model = build(encoderstack.EncoderStackForSequenceClassification, cpu_kernels="onednn-prepacked")
+    expected = gradients(model, monkeypatch, onednn=False)
+    actual = gradients(model, monkeypatch, onednn=True)
+    assert len(onednn_calls) == 3 * projections(model.model) and packed_weights_of(model) == 0
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)

@@ -116,7 +116,7 @@ PLAN_TABLE = [
     ((CPU, BF16, "whole", {"bf16_gemms": False}), ("padded", "sdpa")),
     ((H100, BF16, "whole", {"bf16_gemms": True}), ("padded", "sdpa")),
     # ... in inference (nothing for autograd to record) one fused oneDNN Graph kernel, in bf16 and in float32 where
-    # config.cpu_kernels="onednn"; where autograd may record, GEMMs in bf16 and SDPA in float32
+    # config.cpu_kernels is "onednn" or "onednn-prepacked"; where autograd may record, GEMMs in bf16 and SDPA in float32
     ((CPU, BF16, "whole", NATIVE_BF16), ("padded", FUSED)),
     ((CPU, BF16, "padded", NATIVE_BF16), ("per_sequence", PER_SEQUENCE, FUSED)),
     ((CPU, BF16, "whole", {**NATIVE_BF16, "autograd": True}), ("padded", GEMM)),
@@ -126,6 +126,7 @@ PLAN_TABLE = [
     ((CPU, BF16, "whole", {**NATIVE_BF16, "bf16_gemms": False}), ("padded", "sdpa")),
     ((CPU, FP32, "whole", {"onednn_graph": True}), ("padded", "sdpa")),
     ((CPU, FP32, "whole", ONEDNN_FP32), ("padded", FUSED)),
+    ((CPU, FP32, "whole", {**ONEDNN_FP32, "cpu_kernels": "onednn-prepacked"}), ("padded", FUSED)),
     ((CPU, FP32, "padded", ONEDNN_FP32), ("per_sequence", PER_SEQUENCE, FUSED)),
     ((CPU, FP32, "flattened", {**ONEDNN_FP32, "padding_free": False}), ("block_diagonal", FUSED)),
     ((CPU, FP32, "whole", {**ONEDNN_FP32, "autograd": True}), ("padded", "sdpa")),

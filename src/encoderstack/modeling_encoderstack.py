@@ -57,6 +57,7 @@ from .execution_encoderstack import (
     execution_plan,
     holds_integers,
     linear,
+    prepacked_weights,
     with_score_term,
 )
 
@@ -305,10 +306,14 @@ class Linear(nn.Linear):
     """`nn.Linear` whose forward is `execution_encoderstack.linear` (oneDNN on the CPU for bf16, and for float32
     where `config.cpu_kernels` says so), optionally followed by an activation it may fuse."""
 
-    float32_in_onednn = False  # `config.cpu_kernels == "onednn"`, set by the model (`set_cpu_kernels`)
+    cpu_kernels = "torch"  # `config.cpu_kernels`, set by the model (`set_cpu_kernels`)
 
     def forward(self, x, activation: str | None = None):
-        return linear(x, self.weight, self.bias, activation, self.float32_in_onednn)
+        return linear(x, self.weight, self.bias, activation, self.cpu_kernels)
+
+    def _apply(self, fn, recurse=True):
+        prepacked_weights.pop(self.weight, None)  # `.to(...)` and the like give the weight new storage: drop the copy
+        return super()._apply(fn, recurse)
 
 
 class LayerProjection(Linear):
@@ -601,14 +606,17 @@ class EncoderStackPreTrainedModel(PreTrainedModel):
         self.set_cpu_kernels(self.config.cpu_kernels)
 
     def set_cpu_kernels(self, library: str) -> None:
-        """Which library runs this model's float32 projections and attention on the CPU from now on
-        (`config.cpu_kernels`: "torch" or "onednn"), as `set_attn_implementation` does for attention."""
+        """Which library runs this model's float32 projections and attention on the CPU from now on, and whether
+        inference reads oneDNN's prepacked weights (`config.cpu_kernels`, one of `CPU_KERNELS`), as
+        `set_attn_implementation` does for attention. Leaving "onednn-prepacked" frees the packed copies."""
         if library not in CPU_KERNELS:
-            raise ValueError(f'`cpu_kernels` must be "torch" or "onednn", got {library!r}.')
+            raise ValueError(f"`cpu_kernels` must be one of {', '.join(map(repr, CPU_KERNELS))}, got {library!r}.")
         self.config.cpu_kernels = library
         for module in self.modules():
             if isinstance(module, Linear):
-                module.float32_in_onednn = library == "onednn"
+                module.cpu_kernels = library
+                if library != "onednn-prepacked":
+                    prepacked_weights.pop(module.weight, None)
 
     def _init_weights(self, module):
         """BERT's init (normal(0, initializer_range), zero biases, unit norms), then the placement's init gain, or
