@@ -270,22 +270,33 @@ def flash_attention_backends(device):
     return ["flash_attention_2"] if available else []
 
 
-# the plan's CPU attention kernels, each with the module switches that let the plan pick it: BF16_GEMMS, ONEDNN_GRAPH
-CPU_ATTENTION = {"SDPA": (False, False), "GEMMs": (True, False), "fused": (True, True)}
+# the plan's CPU attention kernels, each with the module switches that let the plan pick it: BF16_GEMMS, ONEDNN_GRAPH,
+# FUSED_GROUPS
+CPU_ATTENTION = {
+    "SDPA": (False, False, False),
+    "GEMMs": (True, False, False),
+    "fused 1-by-1": (True, True, False),
+    "fused": (True, True, True),
+}
+SWITCHES = ("BF16_GEMMS", "ONEDNN_GRAPH", "FUSED_GROUPS")
 
 
 @contextlib.contextmanager
 def cpu_attention(kernel: str):
     """EncoderStack's CPU attention with the plan allowed up to `kernel` (`CPU_ATTENTION`): "fused" (as shipped:
-    oneDNN Graph in inference, GEMMs in bf16 where autograd records), "GEMMs" (`gemm_attention` in bf16, as without
-    oneDNN Graph) or "SDPA" (torch's kernel, as before both). The plan reads the switches on every forward."""
+    oneDNN Graph in inference, packed sequences of one padded length in one call, GEMMs in bf16 where autograd
+    records), "fused 1-by-1" (a call per packed sequence, as before `grouped_fused_attention`), "GEMMs"
+    (`gemm_attention` in bf16, as without oneDNN Graph) or "SDPA" (torch's kernel, as before both). The plan reads the
+    switches on every forward."""
     plan = encoderstack.execution_encoderstack
-    native = plan.BF16_GEMMS, plan.ONEDNN_GRAPH
-    plan.BF16_GEMMS, plan.ONEDNN_GRAPH = (on and was for on, was in zip(CPU_ATTENTION[kernel], native))
+    native = tuple(getattr(plan, switch) for switch in SWITCHES)
+    for switch, on, was in zip(SWITCHES, CPU_ATTENTION[kernel], native):
+        setattr(plan, switch, on and was)
     try:
         yield
     finally:
-        plan.BF16_GEMMS, plan.ONEDNN_GRAPH = native
+        for switch, was in zip(SWITCHES, native):
+            setattr(plan, switch, was)
 
 
 def autocast(device):

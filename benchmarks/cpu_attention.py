@@ -1,5 +1,6 @@
 """Attention on the CPU: EncoderStack with each kernel the plan may pick (`common.CPU_ATTENTION`: oneDNN Graph's fused
-kernel, `gemm_attention`, torch's SDPA), same process, interleaved: an inference forward in bf16 weights and in float32
+kernel, with the packed sequences of one padded length in one call or one call each, `gemm_attention`, torch's SDPA),
+same process, interleaved: an inference forward in bf16 weights and in float32
 with `cpu_kernels="onednn"`, and a training step (forward, backward, AdamW) of masked LM and sequence classification in
 float32 weights under bf16 autocast (`Trainer(bf16=True)`), padding-free and padded.
 
@@ -20,7 +21,11 @@ plan = encoderstack.execution_encoderstack
 KERNELS = tuple(common.CPU_ATTENTION)
 TASKS = {  # task -> the reference's class, ours, the kernels the plan may pick there
     "inference bf16": (transformers.BertModel, encoderstack.EncoderStackModel, KERNELS),
-    "inference fp32 oneDNN": (transformers.BertModel, encoderstack.EncoderStackModel, ("SDPA", "fused")),
+    "inference fp32 oneDNN": (
+        transformers.BertModel,
+        encoderstack.EncoderStackModel,
+        ("SDPA", "fused 1-by-1", "fused"),
+    ),
     "mlm step": (transformers.BertForMaskedLM, encoderstack.EncoderStackForMaskedLM, ("SDPA", "GEMMs")),
     "classification step": (
         transformers.BertForSequenceClassification,

@@ -111,12 +111,29 @@ def kernel_calls(monkeypatch):
     for name, kernel in ((GEMM_ATTENTION, gemm_attention), (FUSED_ATTENTION, fused_attention)):
         counted = recording(kernel, calls, lambda module, query, *_, name=name: (name, query.shape[0], query.shape[2]))
         monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, name, counted)
+    grouped = execution_encoderstack.grouped_fused_attention  # the packed sequences of a layer, in one call
+
+    def sequences(module, query, key, value, lengths, *_):
+        return GROUPED, tuple(lengths)
+
+    monkeypatch.setattr(execution_encoderstack, "grouped_fused_attention", recording(grouped, calls, sequences))
     return calls
 
 
-def expected_calls(kernel, padding_free, layers):
-    """What `kernel_calls` holds after a forward of `batch()`: rows of 9, 5 and 7 real tokens padded to 9."""
-    return [(kernel, *call) for call in ([(1, 9), (1, 5), (1, 7)] if padding_free else [(3, 9)])] * layers
+GROUPED = "grouped_fused_attention"
+
+
+def expected_calls(kernel, padding_free, model):
+    """What `kernel_calls` holds after a forward of `batch()`: rows of 9, 5 and 7 real tokens padded to 9. Packed, the
+    fused kernel takes a layer's sequences in one call where it adds nothing to the scores (no band mask, no relative
+    term), else one at a time."""
+    if not padding_free:
+        return [(kernel, 3, 9)] * model.config.num_hidden_layers
+    one_by_one = [(kernel, 1, 9), (kernel, 1, 5), (kernel, 1, 7)]
+    if kernel != FUSED_ATTENTION:
+        return one_by_one * model.config.num_hidden_layers
+    plain = [layer.layer_type == "full_attention" and not model.config.relative_attention for layer in model.layers]
+    return [call for grouped in plain for call in ([(GROUPED, (9, 5, 7))] if grouped else one_by_one)]
 
 
 MODELS = {
@@ -143,7 +160,7 @@ def test_bf16_inference_runs_every_layer_in_the_kernel_with_the_numbers_of_sdpa(
     inputs = batch()
     with torch.no_grad():
         fast = model(**inputs, padding_free=padding_free).last_hidden_state
-    assert kernel_calls == expected_calls(kernel, padding_free, model.config.num_hidden_layers)
+    assert kernel_calls == expected_calls(kernel, padding_free, model)
     monkeypatch.setattr(execution_encoderstack, "BF16_GEMMS", False)  # the plan keeps SDPA
     with torch.no_grad():
         sdpa = model(**inputs, padding_free=padding_free).last_hidden_state
@@ -161,7 +178,7 @@ def test_float32_inference_with_onednn_kernels_runs_every_layer_fused_with_the_n
     inputs = batch()
     with torch.no_grad():
         fused = model(**inputs, padding_free=padding_free).last_hidden_state
-        assert kernel_calls == expected_calls(FUSED_ATTENTION, padding_free, model.config.num_hidden_layers)
+        assert kernel_calls == expected_calls(FUSED_ATTENTION, padding_free, model)
         model.set_cpu_kernels("torch")
         reference = model(**inputs, padding_free=padding_free).last_hidden_state
     real = inputs["attention_mask"].bool()
@@ -214,7 +231,7 @@ def test_a_bf16_autocast_training_step_through_the_gemms_gives_sdpa_s_loss_and_g
         loss.backward()
         steps.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
         model.zero_grad()
-    assert kernel_calls == expected_calls(GEMM_ATTENTION, padding_free, model.config.num_hidden_layers)
+    assert kernel_calls == expected_calls(GEMM_ATTENTION, padding_free, model.model)
     (fast_loss, fast), (sdpa_loss, sdpa) = steps
     torch.testing.assert_close(fast_loss, sdpa_loss, atol=2e-2, rtol=0)
     for (
@@ -390,3 +407,95 @@ def test_compiling_leaves_torchscript_s_onednn_fusion_switch_as_it_was(enabled, 
     finally:
         torch.jit.enable_onednn_fusion(before)
     assert fused_only == []
+
+
+def packed_row(lengths, dtype, seed=0):
+    """Queries, keys and values of sequences packed in one row, as the per-sequence path holds them: (1, heads,
+    tokens, dim) views of (1, tokens, heads, dim)."""
+    generator = torch.Generator().manual_seed(seed)
+    row = torch.randn(1, sum(lengths), 3, HEADS, HEAD_DIM, generator=generator).to(dtype)
+    return tuple(row[:, :, i].transpose(1, 2) for i in range(3))
+
+
+def each_sequence_eager(query, key, value, lengths):
+    pieces = zip(*(x.split(lengths, dim=2) for x in (query, key, value)))
+    return torch.cat([eager(q, k, v, None) for q, k, v in pieces], dim=1)
+
+
+# padded to 32: seven sequences (4 + 2 + 1), to 64: five (4 + 1; two exact), to 96: two; and an empty one
+GROUPED_LENGTHS = (40, 3, 64, 9, 33, 70, 32, 0, 50, 17, 20, 64, 30, 90, 1)
+
+
+def test_fused_groups_cut_each_padded_length_into_power_of_two_counts_each_sequence_once():
+    groups = execution_encoderstack.fused_groups(GROUPED_LENGTHS, torch.float32)
+    starts = [sum(GROUPED_LENGTHS[:i]) for i in range(len(GROUPED_LENGTHS))]
+    members = sorted(member for chunk, _, _ in groups for member in chunk)
+    assert members == sorted((start, length) for start, length in zip(starts, GROUPED_LENGTHS) if length)
+    for chunk, index, mask in groups:
+        padded = {length + -length % 32 for _, length in chunk}
+        assert len(padded) == 1 and len(chunk) in (1, 2, 4, 8)
+        if len(chunk) == 1:
+            assert index is None and mask is None
+            continue
+        assert mask.shape == (len(chunk), 1, 1, *padded) and index.shape == (len(chunk) * padded.pop(),)
+        for row, (start, length) in enumerate(chunk):
+            assert mask[row, 0, 0, :length].eq(0).all() and mask[row, 0, 0, length:].eq(torch.finfo().min).all()
+            tokens = index.view(len(chunk), -1)[row]
+            assert tokens[:length].tolist() == list(range(start, start + length)) and tokens[length:].eq(start).all()
+    assert [len(chunk) for chunk, _, _ in groups] == [4, 2, 1, 4, 1, 2]
+
+
+def test_a_group_holds_at_most_sixteen_sequences():
+    groups = execution_encoderstack.fused_groups((20,) * 43, torch.float32)
+    assert [len(chunk) for chunk, _, _ in groups] == [16, 16, 8, 2, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_sequences_get_each_sequence_s_own_attention(dtype, fused_only):
+    query, key, value = packed_row(GROUPED_LENGTHS, dtype)
+    with torch.no_grad():
+        context, weights = execution_encoderstack.grouped_fused_attention(
+            ENCODER, query, key, value, list(GROUPED_LENGTHS), HEAD_DIM**-0.5
+        )
+    assert fused_only == [] and weights is None and context.shape == (1, sum(GROUPED_LENGTHS), HEADS, HEAD_DIM)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: as in the layouts test above
+    expected = each_sequence_eager(query, key, value, list(GROUPED_LENGTHS))
+    torch.testing.assert_close(context.double(), expected, atol=tolerance, rtol=0)
+
+
+def test_sequences_padded_to_fewer_than_64_keys_go_one_by_one_to_the_per_sequence_kernel(monkeypatch):
+    calls = []
+    alone = recording(fused_attention, calls, lambda module, query, *_: query.shape[2])
+    monkeypatch.setattr(execution_encoderstack, "fused_attention", alone)
+    lengths = [20, 70, 10, 80]
+    query, key, value = packed_row(lengths, torch.float32)
+    with torch.no_grad():
+        context = execution_encoderstack.grouped_fused_attention(ENCODER, query, key, value, lengths, HEAD_DIM**-0.5)
+    assert calls == [20, 10]  # 70 and 80 (padded to 96) in one call
+    torch.testing.assert_close(context[0].double(), each_sequence_eager(query, key, value, lengths), atol=1e-5, rtol=0)
+
+
+def test_a_graph_serves_a_count_and_padded_length_whatever_the_batch(fused_only, monkeypatch):
+    monkeypatch.setattr(execution_encoderstack, "fused_graphs", type(execution_encoderstack.fused_graphs)())
+    traced = []
+    counted = recording(torch.jit.trace, traced, lambda module, inputs: tuple(inputs[0].shape[::2]))
+    monkeypatch.setattr(torch.jit, "trace", counted)
+    with torch.no_grad():
+        # each: two sequences padded to 32, two to 64, and one alone padded to 64 (another length each time)
+        for lengths in ((40, 3, 64, 9, 33), (10, 50, 64, 60, 20)):
+            query, key, value = packed_row(lengths, torch.float32)
+            execution_encoderstack.grouped_fused_attention(ENCODER, query, key, value, list(lengths), 1.0)
+    assert traced == [(2, 32), (2, 64), (1, 64)]  # (count, padded length): the second batch compiled nothing
+
+
+def test_autograd_and_dropout_leave_grouping_to_the_per_sequence_calls(kernel_calls):
+    query, key, value = packed_row((40, 3, 64), torch.float32)
+    training = SimpleNamespace(is_causal=False, training=True)
+    options = {"sequence_lengths": [40, 3, 64], "sequence_attention": FUSED_ATTENTION}
+    run = execution_encoderstack.per_sequence_attention
+    run(ENCODER, query.detach().requires_grad_(), key, value, None, **options)
+    with torch.no_grad():
+        run(training, query, key, value, None, **options, dropout=0.1)
+        run(ENCODER, query, key, value, None, **options)
+    one_by_one = [(FUSED_ATTENTION, 1, 40), (FUSED_ATTENTION, 1, 3), (FUSED_ATTENTION, 1, 64)]
+    assert kernel_calls == one_by_one * 2 + [(GROUPED, (40, 3, 64))]
