@@ -314,7 +314,7 @@ class EncoderStackConfig(PreTrainedConfig):
         reference on a bert-large-sized model). bf16 runs in oneDNN either way where the CPU has native bf16.
         `"onednn-prepacked"`: as `"onednn"`, and inference (float32 and bf16) reads each projection's weight from a
         copy in oneDNN's blocked layout, made on first use and remade when the weight changes: the same numbers,
-        1.03-1.23x faster GEMMs, twice the projection weights' memory. Change it on a built model with
+        1.07-1.22x faster GEMMs, twice the projection weights' memory. Change it on a built model with
         `model.set_cpu_kernels(...)`. (`cpu_linear`, its name before, is read as it.)
     prediction_head_size (`int`, *optional*):
         `head_layout="ultrabert"` only: the width between the masked-LM head's two projections; `None`: the hidden

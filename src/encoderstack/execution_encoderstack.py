@@ -106,8 +106,8 @@ def prepacked(weight: torch.Tensor) -> torch.Tensor:
     """`weight` reordered into the blocked layout oneDNN's GEMM computes from, made on first use and kept while the
     weight is unchanged: the same storage (alive, so its address is not another's), place, shape, dtype and no
     in-place write since (an optimizer step, `load_state_dict`). From a plain weight oneDNN repacks blocks on every
-    call: prepacked, a GEMM of 4096 rows by 384x384 ran 1.23x faster in bf16 and 1.11x in float32, by 384x1536
-    1.04x / 1.03-1.13x, with the same numbers (docs/performance.md). The cost is a second copy of every weight."""
+    call: prepacked, all-MiniLM-L6-v2's projections ran 1.09-1.22x faster in bf16 and 1.07-1.15x in float32, with
+    the same numbers (`benchmarks/prepacked.py`, docs/performance.md). The cost is a second copy of every weight."""
     storage, fingerprint, packed = prepacked_weights.get(weight, (None, None, None))
     now = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype, weight._version)
     if storage is None or storage.expired() or storage.cdata != weight.untyped_storage()._cdata or fingerprint != now:
