@@ -488,7 +488,7 @@ def test_a_graph_serves_a_count_and_padded_length_whatever_the_batch(fused_only,
     assert traced == [(2, 32), (2, 64), (1, 64)]  # (count, padded length): the second batch compiled nothing
 
 
-def test_autograd_and_dropout_leave_grouping_to_the_per_sequence_calls(kernel_calls):
+def test_autograd_dropout_and_rows_of_several_leave_grouping_to_the_per_sequence_calls(kernel_calls):
     query, key, value = packed_row((40, 3, 64), torch.float32)
     training = SimpleNamespace(is_causal=False, training=True)
     options = {"sequence_lengths": [40, 3, 64], "sequence_attention": FUSED_ATTENTION}
@@ -496,6 +496,7 @@ def test_autograd_and_dropout_leave_grouping_to_the_per_sequence_calls(kernel_ca
     run(ENCODER, query.detach().requires_grad_(), key, value, None, **options)
     with torch.no_grad():
         run(training, query, key, value, None, **options, dropout=0.1)
+        run(ENCODER, *(x.expand(2, -1, -1, -1) for x in (query, key, value)), None, **options)
         run(ENCODER, query, key, value, None, **options)
-    one_by_one = [(FUSED_ATTENTION, 1, 40), (FUSED_ATTENTION, 1, 3), (FUSED_ATTENTION, 1, 64)]
-    assert kernel_calls == one_by_one * 2 + [(GROUPED, (40, 3, 64))]
+    one_by_one = [(FUSED_ATTENTION, rows, length) for rows in (1, 1, 2) for length in (40, 3, 64)]
+    assert kernel_calls == one_by_one + [(GROUPED, (40, 3, 64))]

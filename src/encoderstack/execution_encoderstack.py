@@ -786,7 +786,7 @@ def per_sequence_attention(
     for name in VARLEN_KWARGS:
         kwargs.pop(name, None)
     grouped = FUSED_GROUPS and kernel == FUSED_ATTENTION and attention_mask is None and sliding_window is None
-    if grouped and fused_runs(query, key, value, None, kwargs.get("dropout")):  # nothing added to the scores
+    if grouped and query.shape[0] == 1 and fused_runs(query, key, value, None, kwargs.get("dropout")):
         return grouped_fused_attention(module, query, key, value, sequence_lengths, kwargs.get("scaling"))
     bands = attention_mask
     if bands is None:
