@@ -132,3 +132,12 @@ def test_the_gpu_depth_sweep_runs_its_smoke_grid_on_cpu_and_writes_its_report(tm
     ]
     assert "every run of the grid" in (out / "index.md").read_text()
     assert result.stdout.splitlines()[-1].startswith(f"wrote {out / 'index.md'}")
+
+
+def test_the_training_step_s_useful_flops_count_the_mlm_head_on_labelled_tokens_only(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    training = importlib.import_module("training")
+    config = tiny_config()
+    encoder = training.step_flops("classification", config, [10, 6], labelled=0)
+    head = 2 * (config.hidden_size**2 + config.hidden_size * config.vocab_size)
+    assert training.step_flops("mlm", config, [10, 6], labelled=3) == encoder + 3 * 3 * head
