@@ -427,7 +427,7 @@ GROUPED_LENGTHS = (40, 3, 64, 9, 33, 70, 32, 0, 50, 17, 20, 64, 30, 90, 1)
 
 
 def test_fused_groups_cut_each_padded_length_into_power_of_two_counts_each_sequence_once():
-    groups = execution_encoderstack.fused_groups(GROUPED_LENGTHS, torch.float32)
+    groups = execution_encoderstack.fused_groups(GROUPED_LENGTHS, torch.float32, 32)
     starts = [sum(GROUPED_LENGTHS[:i]) for i in range(len(GROUPED_LENGTHS))]
     members = sorted(member for chunk, _, _ in groups for member in chunk)
     assert members == sorted((start, length) for start, length in zip(starts, GROUPED_LENGTHS) if length)
@@ -446,7 +446,7 @@ def test_fused_groups_cut_each_padded_length_into_power_of_two_counts_each_seque
 
 
 def test_a_group_holds_at_most_sixteen_sequences():
-    groups = execution_encoderstack.fused_groups((20,) * 43, torch.float32)
+    groups = execution_encoderstack.fused_groups((20,) * 43, torch.float32, 32)
     assert [len(chunk) for chunk, _, _ in groups] == [16, 16, 8, 2, 1]
 
 

@@ -110,10 +110,11 @@ def prepacked(weight: torch.Tensor) -> torch.Tensor:
     the same numbers (`benchmarks/prepacked.py`, docs/performance.md). The cost is a second copy of every weight."""
     storage, fingerprint, packed = prepacked_weights.get(weight, (None, None, None))
     now = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype, weight._version)
-    if storage is None or storage.expired() or storage.cdata != weight.untyped_storage()._cdata or fingerprint != now:
+    holding = weight.untyped_storage()
+    if storage is None or storage.expired() or storage.cdata != holding._cdata or fingerprint != now:
         with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever mode this forward runs in
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        prepacked_weights[weight] = StorageWeakRef(weight.untyped_storage()), now, packed
+        prepacked_weights[weight] = StorageWeakRef(holding), now, packed
     return packed
 
 
@@ -323,13 +324,15 @@ FUSED_GROUPS, FUSED_GROUP_MOST = True, 16
 
 
 @functools.lru_cache(maxsize=8)
-def fused_groups(lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[list, torch.Tensor | None, ...]]:
+def fused_groups(
+    lengths: tuple[int, ...], dtype: torch.dtype, smallest: int
+) -> list[tuple[list, torch.Tensor | None, ...]]:
     """Packed sequences as `grouped_fused_attention` runs them: grouped by their length padded to
     FUSED_LENGTH_MULTIPLE, each group cut into power-of-two counts up to FUSED_GROUP_MOST, so that a graph serves a
-    count and a padded length whatever the batch. Per group: its sequences' (start, length) in the packed row, and
-    for two or more the index that gathers their tokens padded (with each sequence's first token: a masked key, a
-    dropped query) and the additive mask of the padded keys, (count, 1, 1, padded length). Built once per forward:
-    the layers share it."""
+    count and a padded length whatever the batch; padded to fewer than `smallest` keys (FUSED_MIN_KEYS), one sequence
+    a group. Per group: its sequences' (start, length) in the packed row, and for two or more the index that gathers
+    their tokens padded (with each sequence's first token: a masked key, a dropped query) and the additive mask of the
+    padded keys, (count, 1, 1, padded length). Built once per forward: the layers share it."""
     by_padded, start = {}, 0
     for length in lengths:
         if length:  # an empty sequence (a caller's cu_seq_lens may hold one) attends to nothing
@@ -339,7 +342,7 @@ def fused_groups(lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[lis
     with torch.inference_mode(False), torch.no_grad():  # plain tensors, whatever mode the first forward ran in
         for padded, members in sorted(by_padded.items()):
             while members:
-                count = min(1 << (len(members).bit_length() - 1), FUSED_GROUP_MOST)
+                count = min(1 << (len(members).bit_length() - 1), FUSED_GROUP_MOST) if padded >= smallest else 1
                 chunk, members = members[:count], members[count:]
                 if count == 1:
                     groups.append((chunk, None, None))
@@ -365,9 +368,9 @@ def grouped_fused_attention(module, query, key, value, sequence_lengths, scaling
             pieces = (x[:, :, start : start + length] for x in (query, key, value))
             context[start : start + length] = fused_attention(module, *pieces, None, scaling=scaling)[0][0]
 
-    for members, index, mask in fused_groups(tuple(sequence_lengths), query.dtype):
+    for members, index, mask in fused_groups(tuple(sequence_lengths), query.dtype, FUSED_MIN_KEYS):
         graph = None
-        if index is not None and mask.shape[-1] >= FUSED_MIN_KEYS:
+        if index is not None:
             count, padded = mask.shape[0], mask.shape[-1]
             inputs = [x.index_select(0, index).view(count, padded, heads, dim).transpose(1, 2) for x in tokens]
             inputs = tuple(unambiguous(x) for x in (*inputs, mask))
